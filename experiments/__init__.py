@@ -1,0 +1,1 @@
+"""One module per probe or capability; each defines ``EXPERIMENT`` (see kvprobe.runner.experiment)."""

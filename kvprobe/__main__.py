@@ -1,0 +1,3 @@
+from kvprobe.runner.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,20 @@
+"""Where large artifacts (dequantized weights, assembled GGUF files, precompiled blocks) live.
+
+Never inside the repository: ``$KVPROBE_CACHE`` if set, else the user cache directory.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_root() -> Path:
+    root = os.environ.get("KVPROBE_CACHE")
+    if root:
+        path = Path(root)
+    else:
+        base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        path = Path(base) / "kvprobe"
+    path.mkdir(parents=True, exist_ok=True)
+    return path

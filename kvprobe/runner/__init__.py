@@ -1,0 +1,1 @@
+"""Config schema, experiment registry, record writer and the ``kvprobe`` CLI."""

@@ -1,0 +1,94 @@
+"""The ``kvprobe`` command line: run, models, figures (and the commands later issues add)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from kvprobe.errors import KVProbeError
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from kvprobe.runner.config import load_config, parse_overrides
+    from kvprobe.runner.experiment import get_experiment, run_experiment
+
+    overrides = parse_overrides(args.set or [])
+    if args.model:
+        overrides["model"] = args.model
+    if args.output_dir:
+        overrides["output_dir"] = args.output_dir
+    cfg = load_config(args.config, overrides)
+    path, record = run_experiment(cfg, overwrite=args.overwrite, fresh=args.fresh, progress=not args.quiet,
+                                  config_source=args.config)
+    exp = get_experiment(cfg.experiment)
+    if exp.table is not None:
+        print(exp.table(record["summary"]))
+    print(f"record: {path}")
+    return 0
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    from kvprobe.models.loading import weights_available
+    from kvprobe.models.registry import REGISTRY, resolve
+
+    resolve(next(iter(REGISTRY)))  # registers the organisms shipped with kvprobe
+    print(f"{'alias':<30}{'here':<6}source")
+    for alias, entry in REGISTRY.items():
+        here = "yes" if weights_available(entry) else "no"
+        print(f"{alias:<30}{here:<6}{entry.describe_source()}" + (f"  ({entry.note})" if entry.note else ""))
+    print("\nAny local model directory also works as --model PATH (a config.json alone builds random weights).")
+    return 0
+
+
+def _cmd_figures(args: argparse.Namespace) -> int:
+    from kvprobe.figures import render_all
+
+    for path in render_all(args.results, args.out):
+        print(f"figure: {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvprobe", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run an experiment config and write its record")
+    run.add_argument("config", help="a YAML file in configs/ (e.g. configs/locality.yaml)")
+    run.add_argument("--model", help="alias (see `kvprobe models`) or a model directory")
+    run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (dotted), repeatable")
+    run.add_argument("--output-dir", help="where records go (default: results)")
+    run.add_argument("--overwrite", action="store_true", help="replace a finished record of the same config")
+    run.add_argument("--fresh", action="store_true", help="discard a partial run instead of resuming it")
+    run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.set_defaults(func=_cmd_run)
+
+    models = sub.add_parser("models", help="list model aliases, their source and whether weights are here")
+    models.set_defaults(func=_cmd_models)
+
+    figs = sub.add_parser("figures", help="render every figure from the records present")
+    figs.add_argument("--results", default="results")
+    figs.add_argument("--out", default="figures")
+    figs.set_defaults(func=_cmd_figures)
+
+    from kvprobe.runner import extra_commands
+
+    extra_commands.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except KVProbeError as exc:
+        print(f"kvprobe: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

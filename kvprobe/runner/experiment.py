@@ -1,0 +1,124 @@
+"""Experiment registry and the run loop shared by every experiment.
+
+An experiment module in ``experiments/`` defines ``EXPERIMENT = Experiment(...)``: its parameters model,
+a function that measures one instance (returning a row), and a function that summarizes the rows. The
+runner does everything else: config, model, instances, progress, resume, gate bookkeeping, the record.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+from tqdm.auto import tqdm
+
+from kvprobe.errors import KVProbeError
+from kvprobe.runner.config import RunConfig, validate_params
+from kvprobe.runner.records import RecordWriter, git_commit, package_versions, record_path
+
+
+class NoParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+@dataclass
+class Context:
+    """What an experiment's functions get: the validated config, its params, the model and the task."""
+
+    cfg: RunConfig
+    params: Any
+    lm: Any
+    template: Any = None
+    scratch: dict[str, Any] = field(default_factory=dict)  # per-run state set by setup()
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str
+    doc: str
+    run_instance: Callable[[Context, Any], dict[str, Any]]
+    summarize: Callable[[Context, list[dict[str, Any]]], dict[str, Any]]
+    params: type[BaseModel] = NoParams
+    make_instances: Callable[[Context], list[Any]] | None = None  # default: gated instances from cfg.task
+    setup: Callable[[Context], None] | None = None
+    table: Callable[[dict[str, Any]], str] | None = None  # short text table of a summary for the terminal
+
+
+def available_experiments() -> dict[str, str]:
+    import experiments
+
+    return {m.name: m.name for m in pkgutil.iter_modules(experiments.__path__) if not m.name.startswith("_")}
+
+
+def get_experiment(name: str) -> Experiment:
+    names = available_experiments()
+    if name not in names:
+        raise KVProbeError(f"unknown experiment '{name}': choose from {', '.join(sorted(names))}")
+    module = importlib.import_module(f"experiments.{name}")
+    exp = getattr(module, "EXPERIMENT", None)
+    if not isinstance(exp, Experiment):
+        raise KVProbeError(f"experiments/{name}.py defines no EXPERIMENT")
+    return exp
+
+
+def default_instances(ctx: Context) -> list[Any]:
+    from kvprobe.tasks.gated import generate_instances, load_template
+
+    ctx.template = load_template(ctx.cfg.task.template)
+    return generate_instances(ctx.template, ctx.cfg.task.n_instances, ctx.cfg.seed, ctx.cfg.task.scenarios,
+                              ctx.cfg.task.n_filler)
+
+
+def run_experiment(cfg: RunConfig, overwrite: bool = False, fresh: bool = False, lm: Any = None,
+                   progress: bool = True, config_source: str = "<config>") -> tuple[Path, dict[str, Any]]:
+    """Run ``cfg`` end to end and return (record path, record). Refuses to clobber a finished record."""
+    import torch
+
+    exp = get_experiment(cfg.experiment)
+    params = validate_params(exp.params, cfg.params, config_source)
+    chash = cfg.hash()
+    path = record_path(cfg.output_dir, exp.name, cfg.model, chash)
+    writer = RecordWriter(path, overwrite=overwrite, fresh=fresh)  # refuses before any model is loaded
+    t0 = time.perf_counter()
+    if lm is None:
+        from kvprobe.models.loading import load_model
+
+        lm = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed)
+    t_load = time.perf_counter() - t0
+    torch.manual_seed(cfg.seed)
+    ctx = Context(cfg=cfg, params=params, lm=lm)
+    instances = (exp.make_instances or default_instances)(ctx)
+    if exp.setup is not None:
+        exp.setup(ctx)
+    t1 = time.perf_counter()
+    todo = [inst for inst in instances if inst.index not in writer.done]
+    resumed = len(instances) - len(todo)
+    bar = tqdm(todo, desc=f"{exp.name} on {cfg.model}", unit="inst", disable=not progress, initial=resumed,
+               total=len(instances))
+    for inst in bar:
+        ti = time.perf_counter()
+        row = {"index": inst.index, **exp.run_instance(ctx, inst)}
+        row["seconds"] = round(time.perf_counter() - ti, 4)
+        writer.add_row(row)
+    rows = [writer.done[i.index] for i in instances]
+    summary = exp.summarize(ctx, rows)
+    t_run = time.perf_counter() - t1
+    record = {
+        "experiment": exp.name,
+        "config": cfg.model_dump(),
+        "config_hash": chash,
+        "git": git_commit(),
+        "packages": package_versions(),
+        "model": lm.describe(),
+        "seed": cfg.seed,
+        "summary": summary,
+        "rows": rows,
+        "timings": {"load_s": round(t_load, 3), "run_s": round(t_run, 3), "resumed_instances": resumed},
+    }
+    return writer.finish(record), record

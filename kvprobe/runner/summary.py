@@ -1,0 +1,49 @@
+"""Summaries every field-change record shares: the oracle-flip distribution, the gate, recoveries with CIs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvprobe.stats.bootstrap import quantiles, summarize
+
+
+def gate_summary(rows: Sequence[dict[str, Any]], gate: Any) -> dict[str, Any]:
+    flips = [r["flip"] for r in rows]
+    included = [r for r in rows if r["included"]]
+    return {
+        "gate": {"min_flip": gate.min_flip, "require_oracle_correct": gate.require_oracle_correct},
+        "n_instances": len(rows),
+        "n_included": len(included),
+        "n_excluded": len(rows) - len(included),
+        "oracle_flip": quantiles(flips),
+        "oracle_accuracy": sum(bool(r["oracle_correct"]) for r in rows) / max(len(rows), 1),
+        "stale_accuracy": sum(bool(r["stale_correct"]) for r in rows) / max(len(rows), 1),
+    }
+
+
+def recovery_summary(rows: Sequence[dict[str, Any]], keys: Sequence[str], seed: int = 0) -> dict[str, Any]:
+    """Per key: mean recovery and bootstrap CI over gated instances, and over all instances for contrast."""
+    out: dict[str, Any] = {}
+    for key in keys:
+        out[key] = {"gated": summarize([r[key] for r in rows if r["included"]], seed=seed),
+                    "all": summarize([r[key] for r in rows], seed=seed)}
+    return out
+
+
+def format_recovery_table(summary: dict[str, Any], keys: Sequence[str]) -> str:
+    g = summary["gate"]
+    lines = [f"instances {summary['n_instances']}, included {summary['n_included']} "
+             f"(gate: oracle flip >= {g['min_flip']} nats); oracle flip median "
+             f"{summary['oracle_flip'].get('median', float('nan')):.3f} nats",
+             f"{'state':<18}{'recovery, gated instances':<36}{'recovery, all instances':<36}"]
+    for key in keys:
+        r = summary["recovery"][key]
+
+        def cell(s: dict[str, Any]) -> str:
+            if s["n"] == 0 or s["mean"] is None:
+                return "n/a"
+            return f"{s['mean']:+.3f} [{s['ci_low']:+.3f}, {s['ci_high']:+.3f}] n={s['n']}"
+
+        lines.append(f"{key:<18}{cell(r['gated']):<36}{cell(r['all']):<36}")
+    return "\n".join(lines)

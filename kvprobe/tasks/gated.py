@@ -1,0 +1,218 @@
+"""The gated-decision task family (paper Section 3 Setup, Appendix B).
+
+A context holds a mutable field upstream (SESSION CONTEXT), then a binding rule naming which value permits
+which action, >= 20 neutral filler rules, the tools, a conversation and the decision prompt. An instance
+is a pair of prompts that differ only in the field's value (old -> new), so the correct action flips.
+
+Templates are YAML (``configs/tasks/gated.yaml``); any file of the same shape works.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvprobe.errors import KVProbeError
+
+
+class Scenario(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str
+    family: str
+    field: str
+    allow_value: str
+    block_value: str
+    allow_action: str
+    block_action: str
+    rule: str
+    request: str
+
+
+class GatedTemplate(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str
+    preamble: str
+    context_header: str
+    policy_header: str
+    tools_header: str
+    conversation_header: str
+    assistant_turn: str
+    decision_prompt: str
+    answer_prefix: str
+    erratum: str
+    tools: list[str]
+    channels: list[str]
+    customers: list[str]
+    filler_rules: list[str] = Field(min_length=20)
+    scenarios: list[Scenario] = Field(min_length=1)
+
+    def scenario(self, name: str) -> Scenario:
+        for s in self.scenarios:
+            if s.name == name:
+                return s
+        raise KVProbeError(f"scenario '{name}' is not in template '{self.name}': "
+                           f"choose from {', '.join(s.name for s in self.scenarios)}")
+
+
+def load_template(path: str | Path) -> GatedTemplate:
+    p = Path(path)
+    if not p.exists():
+        raise KVProbeError(f"task template {p} does not exist: set task.template to a YAML file like configs/tasks/gated.yaml")
+    try:
+        return GatedTemplate.model_validate(yaml.safe_load(p.read_text()))
+    except Exception as exc:  # pydantic.ValidationError or YAML error
+        from kvprobe.runner.config import format_validation_error
+
+        raise KVProbeError(f"task template {p}: {format_validation_error(exc)}") from None
+
+
+@dataclass(frozen=True)
+class GatedInstance:
+    """One old -> new pair. ``parts`` is the prompt body split around the field value."""
+
+    index: int
+    scenario: str
+    family: str
+    field: str
+    old_value: str
+    new_value: str
+    old_action: str  # correct under old_value
+    new_action: str  # correct under new_value
+    before_field: str
+    after_field: str
+    answer_prefix: str
+    meta: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+    def body(self, value: str) -> str:
+        return self.before_field + value + self.after_field
+
+    def row(self) -> dict[str, Any]:
+        return {"index": self.index, "scenario": self.scenario, "family": self.family, "field": self.field,
+                "old_value": self.old_value, "new_value": self.new_value, "old_action": self.old_action,
+                "new_action": self.new_action, **self.meta}
+
+
+def _rng(seed: int, index: int) -> random.Random:
+    digest = hashlib.sha256(f"gated:{seed}:{index}".encode()).digest()
+    return random.Random(int.from_bytes(digest[:8], "big"))
+
+
+def build_instance(template: GatedTemplate, scenario: Scenario, index: int, seed: int, n_filler: int,
+                   direction: str | None = None) -> GatedInstance:
+    """Render one instance. ``direction`` 'allow_to_block' / 'block_to_allow' (default: chosen by the seed)."""
+    rng = _rng(seed, index)
+    if n_filler > len(template.filler_rules):
+        raise KVProbeError(f"task.n_filler={n_filler} exceeds the template's {len(template.filler_rules)} filler rules")
+    fillers = rng.sample(template.filler_rules, n_filler)
+    order_id = f"A{rng.randint(1000, 9999)}"
+    amount = f"{rng.randint(12, 180)}.{rng.choice(['00', '50', '99'])}"
+    customer = rng.choice(template.customers)
+    channel = rng.choice(template.channels)
+    agent = rng.randint(2, 9)
+    direction = direction or rng.choice(["allow_to_block", "block_to_allow"])
+    allow = (scenario.allow_value, scenario.allow_action)
+    block = (scenario.block_value, scenario.block_action)
+    (old_value, old_action), (new_value, new_action) = (allow, block) if direction == "allow_to_block" else (block, allow)
+    options = [scenario.allow_action, scenario.block_action]
+    rng.shuffle(options)
+    rules = "\n".join(f"R{i}. {r}" for i, r in enumerate(fillers, start=1))
+    tools = "\n".join(f"- {t}" for t in template.tools)
+    request = scenario.request.format(order_id=order_id, amount=amount)
+    before = (f"{template.preamble}\n\n{template.context_header}\n{scenario.field}: ")
+    after = (f"\ncustomer: {customer}\nchannel: {channel}\nagent_id: agent-{agent}\n\n"
+             f"{template.policy_header}\n{scenario.rule}\n{rules}\n\n"
+             f"{template.tools_header}\n{tools}\n\n"
+             f"{template.conversation_header}\nuser: {request}\n{template.assistant_turn}\n\n"
+             + template.decision_prompt.format(option_a=options[0], option_b=options[1]))
+    return GatedInstance(index=index, scenario=scenario.name, family=scenario.family, field=scenario.field,
+                         old_value=old_value, new_value=new_value, old_action=old_action, new_action=new_action,
+                         before_field=before, after_field=after, answer_prefix=template.answer_prefix,
+                         meta={"direction": direction, "order_id": order_id, "n_filler": n_filler})
+
+
+def generate_instances(template: GatedTemplate, n: int, seed: int, scenarios: list[str] | None = None,
+                       n_filler: int = 24) -> list[GatedInstance]:
+    """``n`` instances cycling over the chosen scenarios (all by default), varied by ``seed``."""
+    chosen = [template.scenario(s) for s in scenarios] if scenarios else list(template.scenarios)
+    return [build_instance(template, chosen[i % len(chosen)], i, seed, n_filler) for i in range(n)]
+
+
+@dataclass(frozen=True)
+class TokenizedPair:
+    """Token ids of the old and new prompt (same length), the field's slots, and the two action tokens."""
+
+    ids_old: list[int]
+    ids_new: list[int]
+    field_slots: list[int]
+    old_action_id: int
+    new_action_id: int
+
+    @property
+    def field_start(self) -> int:
+        return self.field_slots[0]
+
+    def __len__(self) -> int:
+        return len(self.ids_old)
+
+
+def render(tokenizer: Any, text: str, chat: bool) -> tuple[str, bool]:
+    """The full prompt string for a body (chat-wrapped when the model has a template) and whether the
+    tokenizer should add its own special tokens (raw prompts: yes; chat templates carry them as text)."""
+    if chat:
+        wrapped = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                add_generation_prompt=True)
+        return wrapped, False
+    return text + "\n", True
+
+
+def _encode(tokenizer: Any, text: str, special: bool) -> tuple[list[int], list[tuple[int, int]]]:
+    enc = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
+    return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+
+
+def action_token(tokenizer: Any, prompt_ids: list[int], prompt: str, action: str, special: bool) -> int:
+    """The first token the model emits for `` action`` after the prompt (space-prefixed, tokenizer-robust)."""
+    ids = tokenizer(prompt + " " + action, add_special_tokens=special)["input_ids"]
+    if ids[: len(prompt_ids)] != prompt_ids or len(ids) <= len(prompt_ids):
+        raise KVProbeError(f"action '{action}' merges with the end of the prompt in this tokenizer; "
+                           "end the answer_prefix with punctuation")
+    return int(ids[len(prompt_ids)])
+
+
+def tokenize_pair(tokenizer: Any, inst: GatedInstance, chat: bool) -> TokenizedPair:
+    """Tokenize both prompts; refuse if the two values do not take the same number of tokens in context."""
+    if tokenizer is None:
+        raise KVProbeError("this model has no tokenizer; text tasks need one (add tokenizer files to the model directory)")
+    texts, encs = {}, {}
+    for key, value in (("old", inst.old_value), ("new", inst.new_value)):
+        prompt, special = render(tokenizer, inst.body(value), chat)
+        prompt = prompt + inst.answer_prefix
+        start = prompt.index(inst.before_field) + len(inst.before_field)
+        texts[key] = (prompt, special, start, start + len(value))
+        encs[key] = _encode(tokenizer, prompt, special)
+    (ids_old, off_old), (ids_new, off_new) = encs["old"], encs["new"]
+    if len(ids_old) != len(ids_new):
+        n_old = sum(1 for a, b in off_old if b > texts["old"][2] and a < texts["old"][3])
+        n_new = sum(1 for a, b in off_new if b > texts["new"][2] and a < texts["new"][3])
+        raise KVProbeError(
+            f"field values '{inst.old_value}' ({n_old} tokens) and '{inst.new_value}' ({n_new} tokens) of scenario "
+            f"'{inst.scenario}' tokenize to different lengths in context ({len(ids_old)} vs {len(ids_new)} tokens); "
+            "choose values with equal token counts for this tokenizer")
+    slots = {i for i, (a, b) in enumerate(off_old) if b > texts["old"][2] and a < texts["old"][3]}
+    slots |= {i for i, (a, b) in enumerate(off_new) if b > texts["new"][2] and a < texts["new"][3]}
+    slots |= {i for i, (a, b) in enumerate(zip(ids_old, ids_new)) if a != b}
+    field_slots = sorted(slots)
+    if field_slots != list(range(field_slots[0], field_slots[-1] + 1)):
+        raise KVProbeError(f"scenario '{inst.scenario}': the two prompts differ outside one contiguous field span")
+    old_id = action_token(tokenizer, ids_old, texts["old"][0], inst.old_action, texts["old"][1])
+    new_id = action_token(tokenizer, ids_new, texts["new"][0], inst.new_action, texts["new"][1])
+    if old_id == new_id:
+        raise KVProbeError(f"actions '{inst.old_action}' and '{inst.new_action}' start with the same token; "
+                           "pick actions whose first tokens differ")
+    return TokenizedPair(ids_old, ids_new, field_slots, old_id, new_id)
