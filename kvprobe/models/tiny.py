@@ -63,3 +63,24 @@ def write_config_dir(family: str, path: Path, vocab_size: int = 512) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     tiny_config(family, vocab_size).save_pretrained(path)
     return path
+
+
+def write_tiny_model_dir(family: str, path: Path, texts: list[str]) -> Path:
+    """A config-only model directory plus a word-level tokenizer covering ``texts``.
+
+    Lets the whole text pipeline (tasks, runner, CLI) run on a random-init model of any family, offline.
+    """
+    import re
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = sorted({w for t in texts for w in re.findall(r"\w+|[^\w\s]+", t)})
+    vocab = {"[UNK]": 0, "[BOS]": 1, "[EOS]": 2, **{w: i + 3 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="[BOS]", eos_token="[EOS]")
+    path.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(path)
+    write_config_dir(family, path, vocab_size=len(vocab))
+    return path

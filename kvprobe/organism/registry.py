@@ -24,6 +24,6 @@ def register_organisms() -> None:
         alias = card["alias"]
         if alias in REGISTRY:
             continue
-        base = REGISTRY[card["base_model"]]
-        register(ModelEntry(alias, "organism", base.family, card["base_model"], gguf_file=str(folder),
-                            chat=base.chat, note=f"trained organism: {card.get('summary', 'LoRA adapter')}"))
+        base = REGISTRY.get(card["base_model"])
+        register(ModelEntry(alias, "organism", base.family if base else "unknown", card["base_model"],
+                            gguf_file=str(folder), chat=base.chat if base else True, note=f"trained organism: {card.get('summary', 'LoRA adapter')}"))

@@ -1,0 +1,48 @@
+"""``kvprobe organism train``: train a model organism and register it as an alias."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import fields
+from pathlib import Path
+
+from kvprobe.organism.registry import ORGANISMS_DIR
+
+
+def _train(args: argparse.Namespace) -> int:
+    from kvprobe.organism.train import Recipe, train_organism
+
+    if args.task != "gated":
+        from kvprobe.errors import KVProbeError
+
+        raise KVProbeError(f"--task {args.task}: only 'gated' organisms exist so far")
+    defaults = Recipe()
+    alias = args.alias or f"{args.model}-gated"
+    kwargs = {"base_model": args.model, "alias": alias, "seed": args.seed}
+    if args.steps is not None:
+        kwargs["steps"] = args.steps
+    if args.eval_families:
+        kwargs["eval_families"] = tuple(args.eval_families.split(","))
+    recipe = Recipe(**{f.name: kwargs.get(f.name, getattr(defaults, f.name)) for f in fields(Recipe)})
+    out = Path(args.out) if args.out else ORGANISMS_DIR / alias
+    result = train_organism(recipe, out, resume=not args.fresh)
+    ev = result.card["heldout_eval"]
+    print(json.dumps({"alias": alias, "out": str(out), "heldout_before": ev["before"], "heldout_after": ev["after"],
+                      "neutral_perplexity": result.card["neutral_perplexity"]}, indent=1))
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    org = sub.add_parser("organism", help="train model organisms (base model + LoRA adapter)")
+    osub = org.add_subparsers(dest="organism_command", required=True)
+    tr = osub.add_parser("train", help="fine-tune a LoRA adapter on the gated task (field upstream)")
+    tr.add_argument("--model", default="smollm2-135m", help="base model alias or directory")
+    tr.add_argument("--task", default="gated")
+    tr.add_argument("--steps", type=int, default=None)
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--alias", default=None, help="alias to register (default: <model>-gated)")
+    tr.add_argument("--eval-families", default=None, help="comma-separated scenario families held out")
+    tr.add_argument("--out", default=None, help="adapter folder (default: inside kvprobe/organism/organisms/)")
+    tr.add_argument("--fresh", action="store_true", help="ignore checkpoints and start over")
+    tr.set_defaults(func=_train)

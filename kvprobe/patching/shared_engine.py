@@ -1,0 +1,198 @@
+"""The shared-base sweep engine: many patched cache states read in one forward without copying the cache.
+
+A KV patch sweep reads N cells, each "base state with the donor's K/V at a few slots of a few layers".
+Materializing N full caches costs N x (layers x slots) of memory traffic, which dominates a one-token
+readout on CPU. Here every row of the batch shares the base K/V tensors (batch 1, broadcast), and each
+row carries only its own overrides (at most M slots per layer). A custom attention function computes
+
+    scores = q . K_base  (broadcast over rows)   with the overridden columns replaced by q . K_override
+    out    = p . V_base  + sum_over_overrides p_m (V_override - V_base)_m  + the suffix tokens' own terms
+
+which is the same attention, exactly, as over the materialized patched cache (tested against the
+reference path in kv_sweep to float error).
+
+Supported: decoder families whose attention calls the cache and then the attention interface with
+(query, key, value, mask, scaling[, softcap]): Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvprobe.kv.state import KVState
+
+ENGINE_NAME = "kvprobe_shared"
+SUPPORTED = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3"}
+
+
+@dataclass
+class SharedKV:
+    """What one layer hands the attention function: the shared base, per-row overrides, the new tokens."""
+
+    base_k: torch.Tensor  # [1, Hkv, S, D]
+    base_v: torch.Tensor
+    idx: torch.Tensor | None  # [N, M] override slots (padded by repeating a row's own entry)
+    valid: torch.Tensor | None  # [N, M] which entries are real (padding must not count twice)
+    over_k: torch.Tensor | None  # [N, Hkv, M, D]
+    over_v: torch.Tensor | None
+    new_k: torch.Tensor | None = None  # [N, Hkv, T, D], set by update()
+    new_v: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> torch.Size:  # some attention code inspects key.shape[-2] for the kv length
+        s = self.base_k.shape
+        t = 0 if self.new_k is None else self.new_k.shape[-2]
+        return torch.Size((s[0], s[1], s[2] + t, s[3]))
+
+
+def _layer_class():
+    from transformers.cache_utils import DynamicLayer
+
+    class SharedLayer(DynamicLayer):
+        def __init__(self, shared: SharedKV) -> None:
+            super().__init__()
+            self.shared = shared
+            self.lazy_initialization(shared.base_k, shared.base_v)
+            self.keys, self.values = shared.base_k, shared.base_v  # gives get_seq_length / mask sizes
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            s = self.shared
+            shared = SharedKV(s.base_k, s.base_v, s.idx, s.valid, s.over_k, s.over_v, key_states, value_states)
+            return shared, shared
+
+    return SharedLayer
+
+
+def shared_attention(module: torch.nn.Module, query: torch.Tensor, key: SharedKV, value: SharedKV,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     softcap: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    kv = key
+    n, hq, t, d = query.shape
+    hkv = kv.base_k.shape[1]
+    g = hq // hkv
+    scaling = d ** -0.5 if scaling is None else scaling
+    q = query.reshape(n, hkv, g, t, d)
+    scores = torch.einsum("nhgtd,hsd->nhgts", q, kv.base_k[0]) * scaling
+    if kv.idx is not None:
+        s_over = torch.einsum("nhgtd,nhmd->nhgtm", q, kv.over_k) * scaling
+        where = kv.idx[:, None, None, None, :].expand(n, hkv, g, t, kv.idx.shape[1])
+        scores = scores.scatter(-1, where, s_over)
+    s_new = torch.einsum("nhgtd,nhud->nhgtu", q, kv.new_k) * scaling
+    scores = torch.cat([scores, s_new], dim=-1)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None:
+        mask = attention_mask[:, :, :, : scores.shape[-1]]
+        mask = mask.reshape(mask.shape[0], 1, 1, t, -1)
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask
+    probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
+    s = kv.base_k.shape[2]
+    p_base, p_new = probs[..., :s], probs[..., s:]
+    out = torch.einsum("nhgts,hsd->nhgtd", p_base, kv.base_v[0])
+    out = out + torch.einsum("nhgtu,nhud->nhgtd", p_new, kv.new_v)
+    if kv.idx is not None:
+        where = kv.idx[:, None, None, None, :].expand(n, hkv, g, t, kv.idx.shape[1])
+        p_over = probs[..., :s].gather(-1, where) * kv.valid[:, None, None, None, :].to(probs.dtype)
+        base_at = kv.base_v[0][:, kv.idx]  # [Hkv, N, M, D]
+        delta = kv.over_v - base_at.permute(1, 0, 2, 3)
+        out = out + torch.einsum("nhgtm,nhmd->nhgtd", p_over, delta)
+    out = out.reshape(n, hq, t, d).transpose(1, 2).contiguous()
+    return out, None
+
+
+_REGISTERED = False
+
+
+def _register() -> None:
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    ALL_ATTENTION_FUNCTIONS.register(ENGINE_NAME, shared_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ENGINE_NAME, sdpa_mask)
+    _REGISTERED = True
+
+
+@contextmanager
+def _attention_implementation(model: Any, name: str):
+    configs = [model.config]
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if text is not model.config:
+        configs.append(text)
+    old = [c._attn_implementation for c in configs]
+    try:
+        for c in configs:
+            c._attn_implementation = name
+        yield
+    finally:
+        for c, o in zip(configs, old):
+            c._attn_implementation = o
+
+
+def supports_shared(lm: Any) -> bool:
+    spec = getattr(lm, "spec", None)
+    return spec is not None and spec.model_type in SUPPORTED
+
+
+def _overrides(base: KVState, donor: KVState, cells: Sequence[Any], layer: int):
+    rows = [c.positions if (c.layers is None or layer in c.layers) else () for c in cells]
+    m = max((len(r) for r in rows), default=0)
+    if m == 0:
+        return None, None, None, None
+    idx = torch.zeros(len(rows), m, dtype=torch.long)
+    valid = torch.zeros(len(rows), m, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        if r:
+            idx[i, : len(r)] = torch.as_tensor(r)
+            idx[i, len(r):] = r[0]
+            valid[i, : len(r)] = True
+    dk, dv = donor.keys[layer], donor.values[layer]
+    # [N, Hkv, M, D]: row i takes the donor (batch 1, or its own row) at its slots; invalid rows read base.
+    over_k = dk[0][:, idx].permute(1, 0, 2, 3) if dk.shape[0] == 1 else torch.stack(
+        [dk[i][:, idx[i]] for i in range(len(rows))])
+    over_v = dv[0][:, idx].permute(1, 0, 2, 3) if dv.shape[0] == 1 else torch.stack(
+        [dv[i][:, idx[i]] for i in range(len(rows))])
+    empty = ~valid.any(dim=1)
+    if empty.any():  # rows with no override at this layer: their padded entry is base K/V (inert)
+        bk, bv = base.keys[layer][0][:, idx[empty]], base.values[layer][0][:, idx[empty]]
+        over_k[empty], over_v[empty] = bk.permute(1, 0, 2, 3), bv.permute(1, 0, 2, 3)
+    return idx.to(dk.device), valid.to(dk.device), over_k, over_v
+
+
+@torch.no_grad()
+def shared_kv_sweep(lm: Any, base: KVState, donor: KVState, cells: Sequence[Any], suffix: Sequence[int],
+                    batch_size: int = 64) -> torch.Tensor:
+    """Logits ``[len(cells), vocab]``: the same numbers as the reference sweep, without per-cell caches."""
+    from transformers.cache_utils import DynamicCache
+
+    if base.batch != 1:
+        raise ValueError("the shared engine needs a batch-1 base state")
+    _register()
+    model = lm.model
+    device = next(model.parameters()).device
+    layer_cls = _layer_class()
+    suffix_t = torch.as_tensor(list(suffix), dtype=torch.long)
+    pos = torch.arange(base.next_position, base.next_position + suffix_t.numel())
+    outs = []
+    with _attention_implementation(model, ENGINE_NAME):
+        for lo in range(0, len(cells), batch_size):
+            chunk = cells[lo:lo + batch_size]
+            n = len(chunk)
+            cache = DynamicCache()
+            cache.layers = [layer_cls(SharedKV(base.keys[i], base.values[i], *_overrides(base, donor, chunk, i)))
+                            for i in range(base.n_layers)]
+            out = model(input_ids=suffix_t.unsqueeze(0).expand(n, -1).to(device),
+                        position_ids=pos.unsqueeze(0).expand(n, -1).to(device), cache=cache, use_cache=True,
+                        logits_to_keep=1)
+            outs.append(out.logits[:, -1].float().cpu())
+    return torch.cat(outs) if outs else torch.empty(0)

@@ -1,0 +1,44 @@
+"""The CLI end to end on a config-only tiny model with a word-level tokenizer (no weights, offline)."""
+
+import json
+
+from kvprobe.runner.cli import main
+
+
+def test_run_locality_end_to_end_then_refuse_then_overwrite(tiny_text_dir, tmp_path, capsys):
+    args = ["run", "configs/locality.yaml", "--model", str(tiny_text_dir), "--output-dir", str(tmp_path),
+            "--set", "task.n_instances=3", "--set", "gate.min_flip=0", "--quiet"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "full_downstream" in out and "record:" in out
+    records = list(tmp_path.glob("locality/*/*.json"))
+    assert len(records) == 1
+    rec = json.loads(records[0].read_text())
+    assert rec["summary"]["n_instances"] == 3 and len(rec["rows"]) == 3
+    assert rec["config"]["task"]["n_instances"] == 3 and rec["config_hash"] in records[0].name
+    for row in rec["rows"]:
+        assert abs(row["full_downstream"] - 1) < 1e-3 and abs(row["stale"]) < 1e-3 and abs(row["oracle"] - 1) < 1e-3
+    for key in ("git", "packages", "model", "seed", "timings"):
+        assert key in rec
+    # Same config again: refused, nothing written.
+    assert main(args) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert main(args + ["--overwrite"]) == 0
+
+
+def test_same_config_same_numbers(tiny_text_dir, tmp_path):
+    base = ["run", "configs/locality.yaml", "--model", str(tiny_text_dir), "--set", "task.n_instances=2", "--quiet"]
+    assert main(base + ["--output-dir", str(tmp_path / "a")]) == 0
+    assert main(base + ["--output-dir", str(tmp_path / "b")]) == 0
+    a, b = (json.loads(next((tmp_path / d).glob("locality/*/*.json")).read_text()) for d in "ab")
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]  # noqa: E731
+    assert strip(a["rows"]) == strip(b["rows"]) and a["summary"] == b["summary"]
+
+
+def test_models_lists_aliases_and_errors_are_one_line(capsys):
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert "smollm2-135m" in out and "llama-3.1-8b" in out and "meta-llama/Llama-3.1-8B-Instruct" in out
+    assert main(["run", "configs/locality.yaml", "--model", "not-a-model", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvprobe: error: unknown model 'not-a-model'") and err.count("\n") == 1

@@ -1,0 +1,38 @@
+"""Figures and notebooks read records only: render them from a record the CLI just wrote."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvprobe.figures import render_all
+from kvprobe.runner.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def results(tiny_text_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("results")
+    assert main(["run", "configs/locality.yaml", "--model", str(tiny_text_dir), "--output-dir", str(out),
+                 "--set", "task.n_instances=3", "--set", "gate.min_flip=0", "--quiet"]) == 0
+    return out
+
+
+def test_figures_render_from_records(results, tmp_path):
+    paths = render_all(results, tmp_path)
+    assert [p.name for p in paths] == ["fig3a_locality.png"] and paths[0].stat().st_size > 5000
+
+
+def test_locality_notebook_runs_on_records(results, tmp_path):
+    import nbformat
+    from nbconvert.preprocessors import ExecutePreprocessor
+
+    nb = nbformat.read(REPO / "notebooks" / "locality.ipynb", as_version=4)
+    work = tmp_path / "nb"
+    (work / "results").mkdir(parents=True)
+    (work / "results" / "locality").symlink_to(results / "locality")
+    ExecutePreprocessor(timeout=120, kernel_name="python3").preprocess(nb, {"metadata": {"path": str(work)}})
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    assert not any(o.get("output_type") == "error" for o in outputs)
+    assert json.dumps(outputs).count("full_downstream") >= 1
