@@ -18,3 +18,13 @@ def cache_root() -> Path:
         path = Path(base) / "kvprobe"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def project_path(path: str | Path) -> Path:
+    """A relative path as given if it exists from the working directory, else relative to the kvprobe checkout
+    (so `configs/...` works from any directory of an editable install)."""
+    p = Path(path)
+    if p.is_absolute() or p.exists():
+        return p
+    candidate = Path(__file__).resolve().parents[1] / p
+    return candidate if candidate.exists() else p

@@ -38,7 +38,7 @@ class Recipe:
     alias: str = "smollm2-135m-gated"
     template: str = "configs/tasks/gated.yaml"
     eval_families: tuple[str, ...] = ("accounts", "payments", "inventory", "promotions")
-    steps: int = 120
+    steps: int = 160
     pairs_per_step: int = 2
     lr: float = 1e-3
     warmup_steps: int = 10
@@ -186,7 +186,7 @@ def train_organism(recipe: Recipe, out_dir: Path, resume: bool = True, progress:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        losses.append(round(float(loss), 5))
+        losses.append(round(float(loss.detach()), 5))
         bar.set_postfix(loss=f"{sum(losses[-10:]) / len(losses[-10:]):.3f}")
         if (step + 1) % recipe.checkpoint_every == 0 or step + 1 == recipe.steps:
             ckpt_dir.mkdir(parents=True, exist_ok=True)

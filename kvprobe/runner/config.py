@@ -47,9 +47,11 @@ class RunConfig(Strict):
     params: dict[str, Any] = Field(default_factory=dict, description="experiment-specific; validated by the experiment")
     output_dir: str = "results"
 
-    def hash(self) -> str:
-        """Hash of everything that can change the numbers (not where the record is written)."""
-        payload = self.model_dump(exclude={"output_dir"})
+    def hash(self, extra: str = "") -> str:
+        """Hash of everything that can change the numbers (not where the record is written).
+
+        ``extra`` folds in content the config only points to (the task template file's hash)."""
+        payload = {**self.model_dump(exclude={"output_dir"}), "_extra": extra}
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 

@@ -75,6 +75,15 @@ def default_instances(ctx: Context) -> list[Any]:
                               ctx.cfg.task.n_filler)
 
 
+def task_template_sha(cfg: RunConfig) -> str:
+    import hashlib
+
+    from kvprobe.cache_dir import project_path
+
+    path = project_path(cfg.task.template)
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.exists() else ""
+
+
 def run_experiment(cfg: RunConfig, overwrite: bool = False, fresh: bool = False, lm: Any = None,
                    progress: bool = True, config_source: str = "<config>") -> tuple[Path, dict[str, Any]]:
     """Run ``cfg`` end to end and return (record path, record). Refuses to clobber a finished record."""
@@ -82,7 +91,8 @@ def run_experiment(cfg: RunConfig, overwrite: bool = False, fresh: bool = False,
 
     exp = get_experiment(cfg.experiment)
     params = validate_params(exp.params, cfg.params, config_source)
-    chash = cfg.hash()
+    template_sha = task_template_sha(cfg)
+    chash = cfg.hash(extra=template_sha)  # editing the task template makes a new record, never a silent mix
     path = record_path(cfg.output_dir, exp.name, cfg.model, chash)
     writer = RecordWriter(path, overwrite=overwrite, fresh=fresh)  # refuses before any model is loaded
     t0 = time.perf_counter()
@@ -113,6 +123,7 @@ def run_experiment(cfg: RunConfig, overwrite: bool = False, fresh: bool = False,
         "experiment": exp.name,
         "config": cfg.model_dump(),
         "config_hash": chash,
+        "task_template_sha256": template_sha,
         "git": git_commit(),
         "packages": package_versions(),
         "model": lm.describe(),

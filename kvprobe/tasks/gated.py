@@ -61,7 +61,9 @@ class GatedTemplate(BaseModel):
 
 
 def load_template(path: str | Path) -> GatedTemplate:
-    p = Path(path)
+    from kvprobe.cache_dir import project_path
+
+    p = project_path(path)
     if not p.exists():
         raise KVProbeError(f"task template {p} does not exist: set task.template to a YAML file like configs/tasks/gated.yaml")
     try:
