@@ -18,6 +18,9 @@ def test_train_save_reload_identical_logits(tiny_text_dir, tmp_path, monkeypatch
     result = train_organism(recipe, tmp_path / "org", progress=False)
     card = json.loads((tmp_path / "org" / "card.json").read_text())
     assert (tmp_path / "org" / "adapter_model.safetensors").exists()
+    assert not (tmp_path / "org" / "README.md").exists()  # no boilerplate card with machine paths
+    adapter_cfg = json.loads((tmp_path / "org" / "adapter_config.json").read_text())
+    assert adapter_cfg["base_model_name_or_path"] == str(tiny_text_dir)
     assert set(card["train_families"]).isdisjoint(card["eval_families"])
     assert len(card["loss_curve"]) == 3 and card["data_hashes"]["train"] and card["data_hashes"]["eval"]
     assert {"before", "after"} <= set(card["neutral_perplexity"]) and "accuracy" in card["heldout_eval"]["after"]

@@ -1,20 +1,24 @@
-"""``kvprobe gate --model ALIAS_OR_PATH``: the RoPE correctness gate; exits 1 above tolerance."""
+"""``kvprobe gate --model ALIAS_OR_PATH``: the RoPE correctness gate (exits 1 above tolerance, 2 on errors)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 
 
 def _gate(args: argparse.Namespace) -> int:
-    from kvprobe.kv.gate import format_gate, run_gate
+    from kvprobe.kv.gate import DEFAULT_OFFSETS, format_gate, run_gate
     from kvprobe.models.loading import load_model
 
-    lm = load_model(args.model, device=args.device, dtype="float32", seed=args.seed)
-    result = run_gate(lm, chunk_len=args.chunk_len, offsets=args.offsets, seed=args.seed, key_tol=args.key_tol,
-                      deep_tol=args.deep_tol)
-    print(f"RoPE gate on {args.model} ({lm.spec.model_type}, {lm.spec.n_layers} layers, "
-          f"rope {sorted({r.rope_type for r in lm.spec.rope})})")
-    print(format_gate(result))
+    lm = load_model(args.model, device=args.device, dtype=args.dtype, seed=args.seed)
+    result = run_gate(lm, chunk_len=args.chunk_len, offsets=args.offsets or DEFAULT_OFFSETS, seed=args.seed,
+                      suffix_len=args.suffix_len, key_tol=args.tol, deep_tol=args.deep_tol,
+                      rotate=not args.no_rotate)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print(f"RoPE gate on {args.model} ({result['model_type']}, {lm.spec.n_layers} layers)")
+        print(format_gate(result))
     return 0 if result["passed"] else 1
 
 
@@ -22,9 +26,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("gate", help="check that re-rotated KV equals an offset prefill (exits 1 if not)")
     p.add_argument("--model", required=True, help="alias or model directory (a config.json alone works)")
     p.add_argument("--chunk-len", type=int, default=64)
-    p.add_argument("--offsets", type=int, nargs="+", default=[17, 500, 3000, 20000])
-    p.add_argument("--key-tol", type=float, default=1e-5, help="relative tolerance on layer-0 keys")
-    p.add_argument("--deep-tol", type=float, default=1e-3, help="relative tolerance on all keys and logits")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--suffix-len", type=int, default=3, help="suffix tokens whose next-token logits are compared")
+    p.add_argument("--offsets", type=int, nargs="+", default=None,
+                   help="target offsets (default: 0 17 500 3000 32768)")
+    p.add_argument("--tol", "--key-tol", dest="tol", type=float, default=None,
+                   help="relative tolerance of the rotation (layer-0 keys); default by dtype, fp32 1e-5")
+    p.add_argument("--deep-tol", "--logit-tol", dest="deep_tol", type=float, default=None,
+                   help="relative tolerance on all layers' keys and the logits, plus 2^-24 x position; "
+                        "default by dtype, fp32 1e-4")
+    p.add_argument("--no-rotate", action="store_true",
+                   help="debugging control: relabel positions without rotating the keys (must FAIL)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the random tokens (and config-only weights)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, or auto")
+    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16 or auto")
+    p.add_argument("--json", action="store_true", help="print the full result as JSON")
     p.set_defaults(func=_gate)

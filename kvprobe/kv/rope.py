@@ -1,23 +1,43 @@
-"""Exact re-rotation of cached keys (paper Section 5, Figure 4b; Section 8 / Figure 22 for the variants).
+"""Exact re-rotation of post-RoPE keys: move cached keys from the positions they were rotated at to new ones.
 
-Cached keys are post-RoPE, values are position-free. Moving a block of KV from the positions its keys
-were rotated at to new positions is a pure rotation by the difference of the RoPE phases:
+The paper's composing operation (Section 5: "because the attention library caches post-RoPE keys, we
+re-rotate the chunk's keys from their source positions to the target positions (values are
+position-free)"; Section 8 and Appendix F for the attention-variant adapters) needs a rotation that is
+*exact*: a transplanted chunk must equal the same chunk prefilled at the target offset to float tolerance
+(DESIGN.md, core idea 3: "RoPE is exact or refused").
 
-    k(q) = R(theta(q) - theta(p)) k(p)
+How exactness is obtained:
 
-The phases ``theta(x) = x * inv_freq`` are computed exactly as the model computes them (fp32, from the
-model's own rotary module, so llama3 banding, linear / yarn / longrope frequencies and per-layer-type
-thetas all come from the model itself), and the rotation by their difference is done in float64. Any
-attention scaling the variant bakes into cos/sin (yarn, longrope) is already in the cached key and is
-not applied again. Partial rotary moves only the rotary channels.
+- The frequencies are the model's own. They are read from the model's rotary-embedding module (the buffers
+  transformers built with ``ROPE_INIT_FUNCTIONS`` for each layer type), never recomputed from theta, so
+  linear, llama3 banding, yarn, longrope and per-layer-type theta (Gemma 3) come out exactly as the model
+  applies them.
+- A key cached at position ``p`` is ``s * R(a(p)) k`` where ``s`` is the rope's attention scaling (yarn,
+  longrope) and ``a(p)`` the angle transformers computes in float32 (``float32(p) * inv_freq``). Moving it
+  to ``q`` multiplies by the pure rotation ``R(a(q) - a(p))``: the scaling is already in the key and is not
+  applied a second time. The angle difference of the two float32 angles is taken in float64 and its
+  cos/sin in float64, so the result is the key the model itself would have produced at ``q`` up to float32
+  rounding of one rotation, at any offset below 2**24.
+- Only the first ``rotary_dim`` channels move (partial rotary); the rest pass through untouched.
 
-Refused with a clear error (never guessed): dynamic NTK / longrope past their base length (their
-frequencies change with the sequence length), M-RoPE (Qwen2-VL / Qwen3-VL) and MLA (DeepSeek-V2/V3),
-which kvprobe does not re-rotate yet.
+Refused with :class:`~kvprobe.errors.KVProbeError`, never rotated approximately: dynamic NTK (its
+frequencies depend on the longest sequence seen, so no fixed rotation is exact past the base length),
+unknown rope types, M-RoPE (Qwen2-VL sectioned, Qwen3-VL interleaved), MLA's decoupled k_pe
+(DeepSeek-V2/V3), longrope moves across its short/long switch, and rotary layouts not verified here
+(GPT-J/Llama 4 style pairs, ...).
+
+Longrope switches between its short and long factors on the longest position of the forward call
+(``max(position_ids) + 1 > original_max_position_embeddings``). Within one regime re-rotation is exact.
+Across the switch it cannot be: a chunk prefilled with the short factors attends within itself
+differently from one prefilled with the long factors, so its deeper layers' keys and values differ and no
+rotation reproduces an offset prefill. Such a move is refused. The regime of a state is the one
+transformers picks for one call over its slots (``state.next_position``), which is what
+:func:`kvprobe.kv.readout.prefill` does.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,112 +47,323 @@ import torch
 from kvprobe.errors import KVProbeError
 from kvprobe.kv.state import KVState
 
-_INTERLEAVED = {"gptj", "glm", "chatglm", "cohere"}  # adjacent-pair layout; HF default is rotate-half
-_MROPE = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen2_5_omni"}
-_MLA = {"deepseek_v2", "deepseek_v3", "kimi_k2"}
-_DYNAMIC = {"dynamic", "longrope"}
+# rope types whose keys re-rotate exactly by the angle difference (frequencies fixed per forward call)
+EXACT_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+# model types whose rotary channels pair (2i, 2i+1) (Cohere/GLM "interleaved" layout); verified by tests
+INTERLEAVED_MODEL_TYPES = frozenset({"cohere", "cohere2", "glm", "glm4"})
+# model types with a layout or representation this module does not handle (refused, with the reason)
+_REFUSED_MODEL_TYPES = {
+    "gptj": "GPT-J rotates interleaved channel pairs; that layout is not verified here",
+    "codegen": "CodeGen rotates interleaved channel pairs; that layout is not verified here",
+    "llama4": "Llama 4 uses complex (interleaved) RoPE with no-RoPE chunked layers; not supported",
+    "helium": "Helium rotates interleaved channel pairs; that layout is not verified here",
+    "ernie4_5": "ERNIE 4.5 rotates interleaved channel pairs; that layout is not verified here",
+    "ernie4_5_moe": "ERNIE 4.5 rotates interleaved channel pairs; that layout is not verified here",
+    "cohere2_moe": "Cohere2-MoE's rotary layout is not verified here",
+}
+_MROPE_MODEL_TYPE = re.compile(r"(^|_)vl($|_)|qwen2_vl|qwen2_5_vl|qwen3_vl|qwen3_omni|glm4v")
+_MAX_EXACT_POSITION = 2 ** 24  # float32 represents every integer position below this
 
 
-@dataclass(frozen=True)
-class LayerRope:
-    """The model's own inverse frequencies for one layer and how its channels are laid out."""
+@dataclass(frozen=True, eq=False)
+class RopeLayerInfo:
+    """What re-rotating one layer's keys needs, taken from the model's own rotary embedding.
 
-    inv_freq: torch.Tensor  # [rotary_dim / 2], fp32 as the model uses it
-    head_dim: int
-    interleaved: bool = False
-    rope_type: str = "default"
-    base_length: int | None = None  # for length-dependent variants
+    ``inv_freq`` holds the ``rotary_dim // 2`` inverse frequencies (float32, CPU) exactly as the model
+    applies them; ``attention_scaling`` is the factor its cos/sin carry (1.0 except yarn/longrope): every
+    cached key already holds it once, so re-rotation never applies it. ``layout`` is ``"half"`` (HF
+    rotate-half: channel ``i`` pairs with ``i + rotary_dim/2``), ``"interleaved"`` (``2i`` with ``2i+1``) or
+    ``"none"`` (a layer without RoPE: keys are position-free). Longrope layers also carry the long-factor
+    frequencies and the base length that selects between them.
+    """
+
+    rope_type: str
+    inv_freq: torch.Tensor
+    attention_scaling: float = 1.0
+    layout: str = "half"
+    long_inv_freq: torch.Tensor | None = None
+    original_max_position: int | None = None
+    layer_type: str | None = None
 
     @property
     def rotary_dim(self) -> int:
-        return 2 * self.inv_freq.numel()
+        return 0 if self.layout == "none" else 2 * int(self.inv_freq.numel())
+
+    def is_long(self, seq_len: int) -> bool:
+        """Whether a forward call whose largest position is ``seq_len - 1`` uses longrope's long factors."""
+        return self.long_inv_freq is not None and self.original_max_position is not None \
+            and seq_len > self.original_max_position
+
+    def inv_freq_for(self, seq_len: int) -> torch.Tensor:
+        """The frequencies a forward call whose largest position is ``seq_len - 1`` rotates with."""
+        return self.long_inv_freq if self.is_long(seq_len) and self.long_inv_freq is not None else self.inv_freq
+
+    def check_regimes(self, from_seq_len: int, to_seq_len: int) -> None:
+        """Refuse a longrope move across its short/long switch (see the module docstring)."""
+        if self.is_long(from_seq_len) != self.is_long(to_seq_len):
+            src, dst = ("long" if self.is_long(n) else "short" for n in (from_seq_len, to_seq_len))
+            raise KVProbeError(
+                f"longrope uses its short factors while every position of a call is below {self.original_max_position} "
+                f"and its long factors otherwise; this move goes from the {src} regime (positions up to {from_seq_len - 1}) "
+                f"to the {dst} regime (up to {to_seq_len - 1}). A chunk prefilled under one set of "
+                "factors has different deeper-layer KV than under the other, so no re-rotation equals an offset "
+                f"prefill: keep source and target on one side of {self.original_max_position}")
+
+    def describe(self) -> str:
+        extra = f", x{self.attention_scaling:.4g} in cos/sin" if self.attention_scaling != 1.0 else ""
+        return f"{self.rope_type} ({self.layout}, rotary_dim {self.rotary_dim}{extra})"
 
 
-def _unwrap(model_or_lm: Any) -> Any:
-    return model_or_lm.model if not isinstance(model_or_lm, torch.nn.Module) else model_or_lm
+# -- reading the model's own rotary embedding --------------------------------------------------------------
+def _as_module(model_or_config: Any) -> torch.nn.Module | None:
+    if isinstance(model_or_config, torch.nn.Module):
+        return model_or_config
+    inner = getattr(model_or_config, "model", None)  # a LoadedModel
+    return inner if isinstance(inner, torch.nn.Module) else None
 
 
-def _rotary_module(model: Any) -> torch.nn.Module:
-    for name, module in model.named_modules():
-        if name.endswith("rotary_emb"):
-            return module
-    raise KVProbeError(f"no rotary embedding module found in {type(model).__name__}; cannot re-rotate its keys")
+def _text_config(config: Any) -> Any:
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def layer_ropes(model_or_lm: Any) -> list[LayerRope]:
-    """One LayerRope per decoder layer, read from the model's rotary module (refusing inexact variants)."""
-    model = _unwrap(model_or_lm)
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    mtype = str(cfg.model_type)
-    if mtype in _MROPE or getattr(cfg, "rope_parameters", {}) and "mrope_section" in (cfg.rope_parameters or {}):
-        raise KVProbeError(f"{mtype}: M-RoPE re-rotation (sectioned / interleaved temporal axis) is not implemented; "
-                           "refusing rather than rotating the spatial channels wrongly")
-    if mtype in _MLA:
-        raise KVProbeError(f"{mtype}: MLA caches a latent plus a decoupled k_pe; re-rotating only k_pe is not "
-                           "implemented, so kvprobe refuses to transplant this model's cache")
-    rotary = _rotary_module(model)
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-    interleaved = mtype in _INTERLEAVED
-    base = getattr(cfg, "original_max_position_embeddings", None) or getattr(cfg, "max_position_embeddings", None)
-    layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
-    out = []
-    for layer_type in layer_types:
-        per_type = getattr(rotary, f"{layer_type}_inv_freq", None)
-        inv = per_type if per_type is not None else getattr(rotary, "original_inv_freq", rotary.inv_freq)
-        rope_type = rotary.rope_type[layer_type] if isinstance(getattr(rotary, "rope_type", None), dict) else \
-            str(getattr(rotary, "rope_type", "default"))
-        params = cfg.rope_parameters.get(layer_type, cfg.rope_parameters) if isinstance(
-            getattr(cfg, "rope_parameters", None), dict) else {}
-        if isinstance(params, dict):
-            base = params.get("original_max_position_embeddings", base)
-        out.append(LayerRope(inv.detach().float().cpu(), head_dim, interleaved, rope_type, base))
-    return out
+def _is_rotary(module: torch.nn.Module) -> bool:
+    return type(module).__name__.endswith("RotaryEmbedding") and hasattr(module, "rope_type")
 
 
-def _phase(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """theta(x) exactly as the model computes it (fp32 product), widened to float64."""
-    return (positions.float()[:, None] * inv_freq[None, :]).double()
+def _rotary_modules_of_model(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    found = [(name, m) for name, m in model.named_modules() if _is_rotary(m)]
+    return [(n, m) for n, m in found if not re.search(r"vision|visual|image|audio", n)]
 
 
-def rotate_keys(keys: torch.Tensor, from_pos: torch.Tensor, to_pos: torch.Tensor, rope: LayerRope) -> torch.Tensor:
-    """Keys ``[batch, heads, slots, head_dim]`` rotated at ``from_pos`` -> rotated at ``to_pos`` (new tensor)."""
-    if rope.rope_type in _DYNAMIC and rope.base_length is not None:
-        top = int(max(from_pos.max(), to_pos.max()))
-        if top >= rope.base_length:
-            raise KVProbeError(f"{rope.rope_type} RoPE changes its frequencies past {rope.base_length} positions "
-                               f"(asked for {top}); re-rotation there cannot be exact")
-    elif rope.rope_type == "dynamic":
-        raise KVProbeError("dynamic NTK RoPE has no fixed frequencies to re-rotate with")
-    delta = _phase(to_pos, rope.inv_freq) - _phase(from_pos, rope.inv_freq)  # [slots, rotary_dim/2]
-    cos, sin = delta.cos(), delta.sin()
-    k = keys.double()
-    r = rope.rotary_dim
-    rot, rest = k[..., :r], k[..., r:]
-    if rope.interleaved:
-        x1, x2 = rot[..., 0::2], rot[..., 1::2]
-        y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
-        rot = torch.stack([y1, y2], dim=-1).flatten(-2)
+def _rotary_from_config(cfg: Any) -> torch.nn.Module:
+    """Instantiate the rotary-embedding class of the config's own modeling module (no weights needed)."""
+    import importlib
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        model_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]
+    except KeyError:
+        raise KVProbeError(f"no causal-LM class for config {type(cfg).__name__}: pass the model itself") from None
+    module = importlib.import_module(model_cls.__module__)
+    prefix = model_cls.__name__.removesuffix("ForCausalLM")
+    names = [f"{prefix}RotaryEmbedding"] + sorted(
+        n for n in dir(module) if n.endswith("RotaryEmbedding") and "Vision" not in n and "Multimodal" not in n)
+    for name in names:
+        cls = getattr(module, name, None)
+        if isinstance(cls, type) and issubclass(cls, torch.nn.Module):
+            return cls(cfg)
+    raise KVProbeError(f"{model_cls.__module__} defines no rotary embedding: pass the model itself")
+
+
+def _refuse_unsupported(cfg: Any) -> None:
+    model_type = str(getattr(cfg, "model_type", ""))
+    if getattr(cfg, "kv_lora_rank", None) is not None or getattr(cfg, "qk_rope_head_dim", None) is not None:
+        raise KVProbeError(f"{model_type}: MLA (DeepSeek-V2-style decoupled k_pe) re-rotation is not implemented; "
+                           "refusing rather than rotating the latent cache wrongly")
+    params = getattr(cfg, "rope_parameters", None) or {}
+    flat = [params] + [v for v in params.values() if isinstance(v, dict)]
+    if any("mrope_section" in p or p.get("mrope_interleaved") or "mrope" in str(p.get("rope_type", "")) for p in flat) \
+            or _MROPE_MODEL_TYPE.search(model_type):
+        variant = "interleaved (Qwen3-VL)" if any(p.get("mrope_interleaved") for p in flat) or "qwen3" in model_type \
+            else "sectioned (Qwen2-VL)"
+        raise KVProbeError(f"{model_type}: M-RoPE {variant} re-rotation is not implemented; refusing rather than "
+                           "rotating the temporal/height/width channels wrongly")
+    if model_type in _REFUSED_MODEL_TYPES:
+        raise KVProbeError(f"{model_type}: {_REFUSED_MODEL_TYPES[model_type]}; re-rotation refused")
+
+
+def _check_rope_type(rope_type: str, model_type: str, where: str) -> None:
+    if "dynamic" in rope_type:
+        raise KVProbeError(
+            f"{model_type}{where}: dynamic NTK RoPE recomputes its frequencies from the longest sequence seen, so "
+            "no fixed rotation reproduces it past its base length; re-rotation refused (use a static rope_type)")
+    if rope_type not in EXACT_ROPE_TYPES:
+        raise KVProbeError(f"{model_type}{where}: rope_type '{rope_type}' is not one kvprobe re-rotates exactly "
+                           f"(supported: {', '.join(EXACT_ROPE_TYPES)}); re-rotation refused")
+
+
+def rope_layer_info(model_or_config: Any) -> tuple[RopeLayerInfo, ...]:
+    """One :class:`RopeLayerInfo` per decoder layer, from the model's own rotary embedding.
+
+    Accepts a model (``nn.Module``), a :class:`~kvprobe.models.loading.LoadedModel`, a transformers config
+    (the rotary class of its modeling module is instantiated: no weights), or an already built sequence of
+    infos (returned as is). Raises :class:`KVProbeError` for every variant that cannot be re-rotated exactly.
+    """
+    if isinstance(model_or_config, Sequence) and model_or_config \
+            and all(isinstance(i, RopeLayerInfo) for i in model_or_config):
+        return tuple(model_or_config)
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    model = _as_module(model_or_config)
+    cfg = _text_config(model.config if model is not None else model_or_config)
+    model_type = str(getattr(cfg, "model_type", "?"))
+    _refuse_unsupported(cfg)
+    n_layers = int(cfg.num_hidden_layers)
+    per_layer: list[torch.nn.Module]
+    if model is not None:
+        found = _rotary_modules_of_model(model)
+        if not found:
+            raise KVProbeError(f"{model_type}: no rotary embedding module found; the model does not use RoPE")
+        if len(found) == 1:
+            per_layer = [found[0][1]] * n_layers
+        else:  # one rotary module per layer (older layouts): map them by layer index
+            by_layer = {int(m.group(1)): mod for name, mod in found if (m := re.search(r"layers\.(\d+)\.", name))}
+            if sorted(by_layer) != list(range(n_layers)):
+                raise KVProbeError(f"{model_type}: {len(found)} rotary modules that do not map one per layer")
+            per_layer = [by_layer[i] for i in range(n_layers)]
     else:
-        half = r // 2
-        x1, x2 = rot[..., :half], rot[..., half:]
-        rot = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    return torch.cat([rot, rest], dim=-1).to(keys.dtype)
+        per_layer = [_rotary_from_config(cfg)] * n_layers
+
+    layer_types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * n_layers)
+    no_rope = getattr(cfg, "no_rope_layers", None)  # SmolLM3: 1 = RoPE, 0 = NoPE
+    layout = "interleaved" if model_type in INTERLEAVED_MODEL_TYPES else "half"
+    cache: dict[tuple[int, str | None], RopeLayerInfo] = {}
+    infos = []
+    for i, rot in enumerate(per_layer):
+        lt = layer_types[i] if isinstance(rot.rope_type, dict) else None
+        key = (id(rot), lt)
+        if key not in cache:
+            cache[key] = _info_of(rot, lt, model_type, ROPE_INIT_FUNCTIONS)
+        info = cache[key]
+        if no_rope is not None and not no_rope[i]:
+            info = RopeLayerInfo("none", info.inv_freq, layout="none", layer_type=lt)
+        elif info.layout != layout:
+            info = RopeLayerInfo(info.rope_type, info.inv_freq, info.attention_scaling, layout, info.long_inv_freq,
+                                 info.original_max_position, lt)
+        infos.append(info)
+    return tuple(infos)
 
 
-def rerotate(state: KVState, target_positions: Sequence[int] | torch.Tensor, model_or_lm: Any) -> KVState:
-    """A new state whose keys are rotated at ``target_positions``; values are shared (position-free)."""
-    to_pos = torch.as_tensor(list(target_positions) if not isinstance(target_positions, torch.Tensor)
-                             else target_positions, dtype=torch.long)
-    if to_pos.shape != state.positions.shape:
-        raise KVProbeError(f"{to_pos.numel()} target positions for a state of {state.length} slots")
-    ropes = layer_ropes(model_or_lm)
-    if len(ropes) != state.n_layers:
-        raise KVProbeError(f"model has {len(ropes)} layers, state {state.n_layers}")
-    keys = [rotate_keys(k, state.positions.to(k.device), to_pos.to(k.device), rope)
-            for k, rope in zip(state.keys, ropes)]
-    return state.with_positions(to_pos, keys)
+def _info_of(rot: torch.nn.Module, layer_type: str | None, model_type: str, init_fns: dict) -> RopeLayerInfo:
+    rcfg = rot.config
+    if layer_type is not None:
+        rope_type = rot.rope_type.get(layer_type)
+        if rope_type is None:
+            raise KVProbeError(f"{model_type}: layer type '{layer_type}' has no RoPE parameters; re-rotation refused")
+        prefix = f"{layer_type}_"
+        params = rcfg.rope_parameters[layer_type]
+        where = f" ({layer_type} layers)"
+    else:
+        rope_type, prefix, params, where = rot.rope_type, "", rcfg.rope_parameters, ""
+    _check_rope_type(str(rope_type), model_type, where)
+    inv = getattr(rot, f"{prefix}original_inv_freq", None)
+    if inv is None:
+        inv = getattr(rot, f"{prefix}inv_freq")
+    scaling = float(getattr(rot, f"{prefix}attention_scaling", getattr(rot, "attention_scaling", 1.0)))
+    long_inv, orig = None, None
+    if rope_type == "longrope":
+        orig = int(params.get("original_max_position_embeddings")
+                   or getattr(rcfg, "original_max_position_embeddings", None) or rcfg.max_position_embeddings)
+        kwargs = {"layer_type": layer_type} if layer_type is not None else {}
+        long_inv, long_scaling = init_fns["longrope"](rcfg, torch.device("cpu"), seq_len=orig + 1, **kwargs)
+        long_inv = long_inv.detach().to("cpu", torch.float32).clone()
+        if float(long_scaling) != scaling:
+            raise KVProbeError(f"{model_type}{where}: longrope attention scaling differs between its short and long "
+                               "regimes; re-rotation refused")
+    return RopeLayerInfo(rope_type=str(rope_type), inv_freq=inv.detach().to("cpu", torch.float32).clone(),
+                         attention_scaling=scaling, long_inv_freq=long_inv, original_max_position=orig,
+                         layer_type=layer_type)
 
 
-def shift(state: KVState, offset: int, model_or_lm: Any) -> KVState:
-    """Move every slot by ``offset`` positions."""
-    return rerotate(state, state.positions + offset, model_or_lm)
+# -- the rotation ---------------------------------------------------------------------------------------
+def _positions(pos: Sequence[int] | torch.Tensor, n: int, what: str) -> torch.Tensor:
+    t = torch.as_tensor(pos if isinstance(pos, torch.Tensor) else list(pos), dtype=torch.long).reshape(-1).cpu()
+    if t.numel() != n:
+        raise KVProbeError(f"{t.numel()} {what} positions for {n} slots")
+    if t.numel() and (t.min() < 0 or t.max() >= _MAX_EXACT_POSITION):
+        raise KVProbeError(f"{what} positions must lie in [0, 2**24) (float32 RoPE angles are exact only there)")
+    return t
+
+
+def _cos_sin(info: RopeLayerInfo, from_pos: torch.Tensor, to_pos: torch.Tensor, from_seq_len: int,
+             to_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin (float64, ``[slots, rotary_dim/2]``) of the pure rotation taking angle a(from) to a(to)."""
+    # The model's angles, bit for bit: float32(position) * float32 inv_freq, one float32 product.
+    a_from = from_pos.to(torch.float32)[:, None] * info.inv_freq_for(from_seq_len)[None, :]
+    a_to = to_pos.to(torch.float32)[:, None] * info.inv_freq_for(to_seq_len)[None, :]
+    delta = a_to.double() - a_from.double()  # exact: difference of two float32 numbers
+    return delta.cos(), delta.sin()
+
+
+def _apply(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) -> torch.Tensor:
+    work = torch.float64 if keys.dtype == torch.float64 else torch.float32
+    cos = cos.to(keys.device, work)
+    sin = sin.to(keys.device, work)
+    r = 2 * cos.shape[-1]
+    k = keys.to(work)
+    rot, rest = k[..., :r], k[..., r:]
+    if layout == "half":
+        x1, x2 = rot[..., : r // 2], rot[..., r // 2:]
+        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    else:  # interleaved pairs (2i, 2i+1)
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+    return torch.cat([out, rest], dim=-1).to(keys.dtype)
+
+
+def rotate_keys(keys: torch.Tensor, from_pos: Sequence[int] | torch.Tensor, to_pos: Sequence[int] | torch.Tensor,
+                rope_layer_info: RopeLayerInfo, *, from_seq_len: int | None = None,
+                to_seq_len: int | None = None) -> torch.Tensor:
+    """Keys ``[batch, kv_heads, slots, head_dim]`` rotated at ``from_pos[slot]``, re-rotated to ``to_pos[slot]``.
+
+    Applies the pure rotation by the angle difference (no attention scaling: the keys carry it once
+    already), to the first ``rotary_dim`` channels only. Returns a new tensor; ``keys`` is never modified.
+    ``from_seq_len`` / ``to_seq_len`` name the forward-call length that picked longrope's regime (default:
+    largest position + 1; a move across the regime switch is refused); other rope types ignore them.
+    """
+    if keys.dim() != 4:
+        raise KVProbeError(f"keys must be [batch, kv_heads, slots, head_dim]; got shape {tuple(keys.shape)}")
+    n = keys.shape[-2]
+    f = _positions(from_pos, n, "source")
+    t = _positions(to_pos, n, "target")
+    info = rope_layer_info
+    if info.rotary_dim > keys.shape[-1]:
+        raise KVProbeError(f"rotary_dim {info.rotary_dim} exceeds the keys' head_dim {keys.shape[-1]}")
+    if info.layout == "none" or n == 0:
+        return keys.clone()
+    fs = from_seq_len if from_seq_len is not None else int(f.max()) + 1
+    ts = to_seq_len if to_seq_len is not None else int(t.max()) + 1
+    info.check_regimes(fs, ts)
+    if torch.equal(f, t) and info.inv_freq_for(fs) is info.inv_freq_for(ts):
+        return keys.clone()
+    cos, sin = _cos_sin(info, f, t, fs, ts)
+    return _apply(keys, cos, sin, info.layout)
+
+
+def rerotate(state: KVState, target_positions: Sequence[int] | torch.Tensor, model_or_config: Any) -> KVState:
+    """A new state whose keys were re-rotated from ``state.positions`` to ``target_positions``.
+
+    The paper's transplant (Section 5; Section 8 / Appendix F for the adapters): post-RoPE keys are
+    re-rotated exactly with the model's own RoPE, values are position-free and shared by reference.
+    ``model_or_config`` is the model, a LoadedModel, its config, or the output of :func:`rope_layer_info`.
+    Input tensors are never modified.
+    """
+    target = _positions(target_positions, state.length, "target")
+    infos = rope_layer_info(model_or_config)
+    if len(infos) != state.n_layers:
+        raise KVProbeError(f"the model has {len(infos)} layers, the state {state.n_layers}")
+    if state.length == 0:
+        return state.with_positions(target, [k.clone() for k in state.keys])
+    src = _positions(state.positions, state.length, "source")
+    fs, ts = state.next_position, int(target.max()) + 1
+    memo: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
+    keys = []
+    for k, info in zip(state.keys, infos):
+        if info.rotary_dim > k.shape[-1]:
+            raise KVProbeError(f"rotary_dim {info.rotary_dim} exceeds the keys' head_dim {k.shape[-1]}")
+        if info.layout == "none":
+            keys.append(k.clone())
+            continue
+        if id(info) not in memo:  # layers sharing one rotary setting share one cos/sin
+            info.check_regimes(fs, ts)
+            same = torch.equal(src, target) and info.inv_freq_for(fs) is info.inv_freq_for(ts)
+            memo[id(info)] = None if same else _cos_sin(info, src, target, fs, ts)
+        cs = memo[id(info)]
+        keys.append(k.clone() if cs is None else _apply(k, cs[0], cs[1], info.layout))
+    return state.with_positions(target, keys)
+
+
+def shift(state: KVState, offset: int, model_or_config: Any) -> KVState:
+    """Move every slot of ``state`` by ``offset`` positions (re-rotating its keys)."""
+    return rerotate(state, state.positions + int(offset), model_or_config)

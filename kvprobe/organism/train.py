@@ -38,9 +38,9 @@ class Recipe:
     alias: str = "smollm2-135m-gated"
     template: str = "configs/tasks/gated.yaml"
     eval_families: tuple[str, ...] = ("accounts", "payments", "inventory", "promotions")
-    steps: int = 160
+    steps: int = 100
     pairs_per_step: int = 2
-    lr: float = 1e-3
+    lr: float = 1.5e-3
     warmup_steps: int = 10
     lora_r: int = 8
     lora_alpha: int = 16
@@ -137,6 +137,15 @@ def _lr_at(step: int, recipe: Recipe) -> float:
     return recipe.lr * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
 
 
+def scrub_adapter_dir(out_dir: Path, base_alias: str) -> None:
+    """peft writes the local weights path and a boilerplate README; keep the alias, drop the boilerplate."""
+    (out_dir / "README.md").unlink(missing_ok=True)
+    cfg_path = out_dir / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["base_model_name_or_path"] = base_alias
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
 @dataclass
 class TrainResult:
     out_dir: Path
@@ -203,6 +212,7 @@ def train_organism(recipe: Recipe, out_dir: Path, resume: bool = True, progress:
     trained_ppl = neutral_perplexity(model, lm.tokenizer)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
+    scrub_adapter_dir(out_dir, recipe.base_model)
     fam = {s.name: s.family for s in template.scenarios}
     card = {
         "alias": recipe.alias,

@@ -218,3 +218,18 @@ def tokenize_pair(tokenizer: Any, inst: GatedInstance, chat: bool) -> TokenizedP
         raise KVProbeError(f"actions '{inst.old_action}' and '{inst.new_action}' start with the same token; "
                            "pick actions whose first tokens differ")
     return TokenizedPair(ids_old, ids_new, field_slots, old_id, new_id)
+
+
+def segment_prompt(tokenizer: Any, inst: GatedInstance, value: str, chat: bool,
+                   markers: list[str]) -> tuple[list[int], list[int]]:
+    """Token ids of the prompt with ``value`` in the field, and the token index where each marker's text
+    begins (a token straddling the boundary goes with the text after it). Used to cut a prompt into chunks
+    without re-tokenizing the pieces (which could merge tokens differently at the cuts)."""
+    prompt, special = render(tokenizer, inst.body(value), chat)
+    prompt = prompt + inst.answer_prefix
+    ids, offsets = _encode(tokenizer, prompt, special)
+    cuts = []
+    for marker in markers:
+        at = prompt.index(marker)
+        cuts.append(next(i for i, (a, b) in enumerate(offsets) if b > at and (a, b) != (0, 0)))
+    return ids, cuts

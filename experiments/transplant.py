@@ -1,0 +1,104 @@
+"""Transplant: a precompiled skill chunk, re-rotated and spliced, versus full recompute (paper Section 5,
+Figure 6b; Appendix F scorecard; the no-rotation control of Figure 9b; the seam-repair knob).
+
+The skill is the context's POLICY DOCUMENT (the binding rule and the filler rules). It is prefilled once in
+isolation at positions 0..L-1, its keys are re-rotated to where it lands after the session context, and the
+rest of the prompt (tools, conversation, decision prompt) is prefilled over the composed cache. We compare
+the next-token logits with a full prefill of the byte-identical tokens: logit cosine and decision agreement
+(the two action tokens). Controls and knobs: no rotation (keys left at their isolated positions: must
+collapse), seam repair (the first k chunk tokens recomputed with the real preceding context), and the skill
+split into N independently precompiled blocks. The RoPE gate runs first and its result is recorded.
+
+Where our setting differs: small CPU models and one skill type (rules) inserted in the system area; the
+paper also inserts facts chunks and tool results mid-trajectory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvprobe.kv.compose import Live, Spliced, assemble, precompile
+from kvprobe.kv.gate import run_gate
+from kvprobe.kv.readout import prefill, read_logits
+from kvprobe.metrics import decision_agreement, logit_cosine
+from kvprobe.runner.experiment import Context, Experiment
+from kvprobe.stats.bootstrap import summarize
+from kvprobe.tasks.gated import segment_prompt
+
+
+class Params(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    seam_repair: list[int] = Field(default_factory=lambda: [0, 1, 4, 16])
+    n_blocks: list[int] = Field(default_factory=lambda: [1, 2, 4])
+    gate_chunk_len: int = 32
+
+
+def setup(ctx: Context) -> None:
+    ctx.scratch["gate"] = run_gate(ctx.lm, chunk_len=ctx.params.gate_chunk_len, offsets=(17, 500, 3000))
+
+
+def _variants(ctx: Context, head: list[int], chunk: list[int], tail: list[int]) -> dict[str, Any]:
+    lm = ctx.lm
+    whole = precompile(lm, chunk)
+    out = {f"seam{k}": [Live(tuple(head)), Spliced(tuple(chunk), whole, seam=k), Live(tuple(tail))]
+           for k in ctx.params.seam_repair}
+    out["no_rotation"] = [Live(tuple(head)), Spliced(tuple(chunk), whole, rotate=False), Live(tuple(tail))]
+    for n in ctx.params.n_blocks:
+        if n == 1:
+            continue
+        bounds = [round(i * len(chunk) / n) for i in range(n + 1)]
+        parts = [chunk[a:b] for a, b in zip(bounds, bounds[1:])]
+        out[f"blocks{n}"] = [Live(tuple(head)), *(Spliced(tuple(p), precompile(lm, p)) for p in parts),
+                             Live(tuple(tail))]
+    return out
+
+
+def run_instance(ctx: Context, inst: Any) -> dict[str, Any]:
+    lm, tpl = ctx.lm, ctx.template
+    ids, (c0, c1) = segment_prompt(lm.tokenizer, inst, inst.new_value, lm.has_chat_template,
+                                   [tpl.policy_header, tpl.tools_header])
+    query = ids[-1:]
+    head, chunk, tail = ids[:c0], ids[c0:c1], ids[c1:-1]
+    full = read_logits(lm, prefill(lm, ids[:-1]), query)
+    names, states = [], []
+    for name, pieces in _variants(ctx, head, chunk, tail).items():
+        names.append(name)
+        states.append(assemble(lm, pieces))
+    logits = read_logits(lm, states, query, batch_size=ctx.cfg.batch_size)
+    new_id = lm.tokenizer(" " + inst.new_action, add_special_tokens=False)["input_ids"][0]
+    old_id = lm.tokenizer(" " + inst.old_action, add_special_tokens=False)["input_ids"][0]
+    row = {**inst.row(), "n_tokens": len(ids), "chunk_tokens": len(chunk), "chunk_start": c0,
+           "full_correct": bool(full[0, new_id] > full[0, old_id])}
+    for i, name in enumerate(names):
+        row[f"{name}_cosine"] = float(logit_cosine(logits[i], full[0]))
+        row[f"{name}_agree"] = float(decision_agreement(logits[i], full[0], [new_id, old_id]))
+    return row
+
+
+def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    variants = [k.removesuffix("_cosine") for k in rows[0] if k.endswith("_cosine")]
+    return {
+        "gate": ctx.scratch.get("gate"),
+        "n_instances": len(rows),
+        "full_accuracy": sum(r["full_correct"] for r in rows) / len(rows),
+        "variants": {v: {"cosine": summarize([r[f"{v}_cosine"] for r in rows], seed=ctx.cfg.seed),
+                         "agreement": summarize([r[f"{v}_agree"] for r in rows], seed=ctx.cfg.seed)}
+                     for v in variants},
+    }
+
+
+def table(summary: dict[str, Any]) -> str:
+    lines = [f"instances {summary['n_instances']}, full-recompute accuracy {summary['full_accuracy']:.2f}; "
+             f"RoPE gate {'passed' if summary['gate'] and summary['gate']['passed'] else 'FAILED'}",
+             f"{'variant':<14}{'logit cosine vs full':<34}{'decision agreement':<30}"]
+    for v, s in summary["variants"].items():
+        c, a = s["cosine"], s["agreement"]
+        lines.append(f"{v:<14}{c['mean']:.4f} [{c['ci_low']:.4f}, {c['ci_high']:.4f}]{'':<8}"
+                     f"{a['mean']:.3f} [{a['ci_low']:.3f}, {a['ci_high']:.3f}]")
+    return "\n".join(lines)
+
+
+EXPERIMENT = Experiment(name="transplant", doc=__doc__, params=Params, run_instance=run_instance,
+                        summarize=summarize_rows, setup=setup, table=table)

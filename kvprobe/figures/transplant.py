@@ -1,0 +1,33 @@
+"""Figure 6b: transplanted skill vs full recompute: next-token logit cosine and decision agreement per model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib.pyplot as plt
+
+from kvprobe.figures.common import bar_with_ci, latest_per_model, save
+
+
+def fig6b_transplant(records: list[dict[str, Any]], path: Path) -> None:
+    per_model = latest_per_model(records)
+    names = list(per_model)
+    variants = list(next(iter(per_model.values()))["summary"]["variants"])
+    fig, axes = plt.subplots(1, 2, figsize=(4 + 2.2 * len(names), 3.6))
+    width = 0.8 / len(variants)
+    cmap = plt.get_cmap("tab10")
+    for ax, metric, label in ((axes[0], "cosine", "logit cosine vs full recompute"),
+                              (axes[1], "agreement", "decision agreement")):
+        for m, name in enumerate(names):
+            for v, variant in enumerate(variants):
+                stat = per_model[name]["summary"]["variants"].get(variant, {}).get(metric, {})
+                bar_with_ci(ax, m + (v - (len(variants) - 1) / 2) * width, stat, width, cmap(v),
+                            label=variant if m == 0 else None)
+        ax.set_xticks(range(len(names)), names, fontsize=7)
+        ax.set_ylabel(label)
+    axes[0].set_ylim(0.9, 1.0005)
+    axes[1].set_ylim(0, 1.05)
+    axes[1].legend(fontsize=6, loc="lower right")
+    fig.suptitle("Transplanted skill vs full recompute (paper Fig. 6b)", fontsize=10)
+    save(fig, path)
