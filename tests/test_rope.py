@@ -5,67 +5,199 @@ import torch
 import transformers as tf
 
 from kvprobe.errors import KVProbeError
-from kvprobe.kv import prefill
+from kvprobe.kv import prefill, read_logits
 from kvprobe.kv.gate import run_gate
-from kvprobe.kv.rope import rerotate
-from kvprobe.models.tiny import _COMMON, write_config_dir
+from kvprobe.kv.rope import rerotate, rope_layer_info, rotate_keys, shift
+from kvprobe.models.tiny import _COMMON, tiny_config, write_config_dir
 from kvprobe.runner.cli import main
 
+ROT_TOL = 1e-5  # the rotation itself (layer-0 keys), fp32
+LOGIT_TOL = 1e-4
+SMALL = dict(_COMMON, num_hidden_layers=2)
+NO_GQA = {k: v for k, v in SMALL.items() if k not in ("num_key_value_heads", "head_dim")}
 
-def _llama(rope_parameters, cls=tf.LlamaConfig, **extra):
+
+def _model(cls, **kwargs):
     torch.manual_seed(0)
-    return tf.AutoModelForCausalLM.from_config(cls(**_COMMON, rope_parameters=rope_parameters, **extra)).eval()
+    return tf.AutoModelForCausalLM.from_config(cls(**kwargs)).eval()
 
 
+def _ids(n, seed=0):
+    return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+_SHORT = [1.0 + 0.05 * i for i in range(8)]
+_LONG = [1.5 + 0.5 * i for i in range(8)]
 VARIANTS = {
-    "linear": lambda: _llama({"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0}),
-    "yarn": lambda: _llama({"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
-                            "original_max_position_embeddings": 1024}),
-    "partial-rotary (phi3)": lambda: _llama({"rope_type": "default", "rope_theta": 1e4}, tf.Phi3Config,
-                                            partial_rotary_factor=0.5, pad_token_id=0),
+    "linear": lambda: _model(tf.LlamaConfig, **SMALL, rope_parameters={
+        "rope_type": "linear", "rope_theta": 1e4, "factor": 4.0}),
+    "yarn": lambda: _model(tf.LlamaConfig, **SMALL, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 1024}),
+    "longrope (phi3)": lambda: _model(tf.Phi3Config, **SMALL, pad_token_id=0, original_max_position_embeddings=1024,
+                                      rope_parameters={"rope_type": "longrope", "rope_theta": 1e4,
+                                                       "short_factor": _SHORT, "long_factor": _LONG,
+                                                       "original_max_position_embeddings": 1024}),
+    "partial rotary 0.5 (phi)": lambda: _model(tf.PhiConfig, **NO_GQA, partial_rotary_factor=0.5),
+    "partial rotary 0.25 (stablelm)": lambda: _model(tf.StableLmConfig, **NO_GQA, num_key_value_heads=2,
+                                                              partial_rotary_factor=0.25),
+    "interleaved (cohere)": lambda: _model(tf.CohereConfig, **SMALL, pad_token_id=0, bos_token_id=1,
+                                           eos_token_id=2),
+    "interleaved partial (glm)": lambda: _model(tf.GlmConfig, **SMALL, pad_token_id=0, eos_token_id=2),
+    "no-rope layers (smollm3)": lambda: _model(tf.SmolLM3Config, **SMALL, pad_token_id=0, no_rope_layers=[1, 0]),
 }
 
 
-def _assert_gate(model):
-    result = run_gate(model, chunk_len=24, offsets=(17, 3000, 20000))
+def _assert_gate(model, offsets=(0, 17, 3000, 100_000)):
+    result = run_gate(model, chunk_len=16, offsets=offsets, suffix_len=2)
     assert result["passed"], result
+    assert not result["refused_offsets"]
     for row in result["rows"]:
-        assert row["key_rel_layer0"] <= 1e-5
-        assert row["no_rotation_logit_rel"] > 50 * max(row["logit_rel"], 1e-7)  # the control really fails
+        assert row["key_rel_layer0"] <= ROT_TOL
+        if row["offset"] <= 3000:  # past that the reference's own float32 angles drift (see kvprobe.kv.gate)
+            assert row["key_rel_all"] <= LOGIT_TOL and row["logit_rel"] <= LOGIT_TOL
+        if row["offset"]:  # the no-rotation control really fails
+            assert row["no_rotation_key_rel"] > 0.1
+            assert row["no_rotation_logit_rel"] > 20 * max(row["logit_rel"], 1e-7)
+    return result
 
 
 def test_gate_passes_on_every_family(tiny_lm):
-    _assert_gate(tiny_lm.model)
+    result = _assert_gate(tiny_lm.model)
+    infos = rope_layer_info(tiny_lm)
+    family = tiny_lm.name.removeprefix("tiny-")
+    if family == "llama":
+        assert {i.rope_type for i in infos} == {"llama3"}
+    if family == "gemma3":  # sliding layers theta 1e4, full-attention layer theta 1e6
+        assert infos[0].inv_freq is infos[1].inv_freq and not torch.equal(infos[0].inv_freq, infos[3].inv_freq)
+        assert len(result["rope"]) == 1 and infos[3].layer_type == "full_attention"
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_gate_passes_on_rope_variants(name):
     model = VARIANTS[name]()
-    if name == "yarn":
-        assert model.model.rotary_emb.attention_scaling > 1.1  # scaling is baked in once, not twice
+    infos = rope_layer_info(model)
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
     if name.startswith("partial"):
-        assert model.model.rotary_emb.inv_freq.numel() * 2 < model.config.head_dim
-    _assert_gate(model)
+        assert infos[0].rotary_dim == int(head_dim * model.config.rope_parameters["partial_rotary_factor"])
+    if name.startswith("interleaved"):
+        assert infos[0].layout == "interleaved"
+    if name.startswith("no-rope"):
+        assert [i.layout for i in infos] == ["half", "none"]
+    offsets = (0, 17, 900) if name.startswith("longrope") else (0, 17, 3000, 100_000)
+    _assert_gate(model, offsets)
+
+
+def test_yarn_attention_scaling_is_carried_once():
+    model = VARIANTS["yarn"]()
+    (info, *_) = rope_layer_info(model)
+    assert info.attention_scaling > 1.1 and info.attention_scaling == model.model.rotary_emb.attention_scaling
+    ids, target = _ids(12), torch.arange(500, 512)
+    moved = rerotate(prefill(model, ids), target, model)
+    ref = prefill(model, ids, positions=target)
+    assert _rel(moved.keys[0], ref.keys[0]) <= ROT_TOL
+    # Applying the scaling a second time (what a rotate-by-cos/sin-of-delta with scaled cos/sin does) is wrong.
+    assert _rel(moved.keys[0] * info.attention_scaling, ref.keys[0]) > 0.1
+
+
+def test_longrope_within_each_regime_is_exact_and_across_the_switch_refused():
+    model = VARIANTS["longrope (phi3)"]()
+    (info, *_) = rope_layer_info(model)
+    assert info.original_max_position == 1024 and not torch.equal(info.inv_freq, info.long_inv_freq)
+    ids = _ids(16, 1)
+    long_src = prefill(model, ids, positions=range(2000, 2016))  # a call past 1024: long factors
+    target = torch.arange(5000, 5016)
+    moved, ref = rerotate(long_src, target, model), prefill(model, ids, positions=target)
+    assert _rel(moved.keys[0], ref.keys[0]) <= ROT_TOL
+    assert max(_rel(a, b) for a, b in zip(moved.keys, ref.keys)) <= LOGIT_TOL
+    with pytest.raises(KVProbeError, match="longrope .* short regime .* long regime"):
+        rerotate(prefill(model, ids), target, model)
+    result = run_gate(model, chunk_len=8, offsets=(17, 3000), suffix_len=1)
+    assert result["passed"] and result["refused_offsets"] == [3000]
 
 
 def test_rerotate_is_write_once_and_values_are_shared(tiny_lm):
-    state = prefill(tiny_lm, torch.arange(10))
-    before = state.clone()
+    state = prefill(tiny_lm, _ids(10))
+    keys_before = [k.clone() for k in state.keys]
+    values_before = [v.clone() for v in state.values]
+    pos_before = state.positions.clone()
     moved = rerotate(state, torch.arange(100, 110), tiny_lm)
-    assert state.max_abs_diff(before) == 0.0
-    assert moved.values[0] is state.values[0] and moved.keys[0] is not state.keys[0]
+    assert all(torch.equal(k, b) for k, b in zip(state.keys, keys_before))
+    assert all(torch.equal(v, b) for v, b in zip(state.values, values_before))
+    assert torch.equal(state.positions, pos_before)
+    assert all(mv is v for mv, v in zip(moved.values, state.values))
+    assert all(mk is not k and mk.data_ptr() != k.data_ptr() for mk, k in zip(moved.keys, state.keys))
     assert moved.positions.tolist() == list(range(100, 110))
+    assert torch.equal(shift(state, 100, tiny_lm).keys[1], moved.keys[1])
 
 
-def test_inexact_variants_are_refused():
-    dyn = _llama({"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0})
-    with pytest.raises(KVProbeError, match="dynamic"):
-        rerotate(prefill(dyn, torch.arange(8)), torch.arange(10_000, 10_008), dyn)
+def test_rotation_composes_and_inverts():
+    model = VARIANTS["yarn"]()
+    (info, *_) = rope_layer_info(model)
+    keys = torch.randn(1, 2, 6, 16, dtype=torch.float32)
+    p0, p1, p2 = torch.arange(6), torch.arange(40_000, 40_006), torch.arange(99_990, 99_996)
+    there = rotate_keys(keys, p0, p2, info)
+    via = rotate_keys(rotate_keys(keys, p0, p1, info), p1, p2, info)
+    assert _rel(via, there) <= ROT_TOL
+    assert _rel(rotate_keys(there, p2, p0, info), keys) <= ROT_TOL
+    assert torch.equal(rotate_keys(keys, p0, p0, info), keys)
+
+
+def test_no_rotation_fails_the_gate():
+    model = VARIANTS["linear"]()
+    result = run_gate(model, chunk_len=8, offsets=(0, 17), suffix_len=1, rotate=False)
+    assert not result["passed"]
+    assert result["rows"][0]["passed"] and not result["rows"][1]["passed"]  # offset 0 needs no rotation
+
+
+def test_readout_over_rerotated_state_equals_offset_prefill(tiny_lm):
+    ids, suffix = _ids(20, 2), _ids(2, 3)
+    target = torch.arange(700, 720)
+    moved = rerotate(prefill(tiny_lm, ids), target, tiny_lm)
+    lg = read_logits(tiny_lm, [moved, prefill(tiny_lm, ids, positions=target)], suffix,
+                     suffix_positions=range(720, 722))
+    assert _rel(lg[0], lg[1]) <= LOGIT_TOL
+
+
+def test_config_path_matches_model_path():
+    for family in ("llama", "gemma3"):
+        from kvprobe.models.tiny import tiny_model
+
+        from_model, from_config = rope_layer_info(tiny_model(family)), rope_layer_info(tiny_config(family))
+        assert [i.rope_type for i in from_model] == [i.rope_type for i in from_config]
+        assert all(torch.equal(a.inv_freq, b.inv_freq) for a, b in zip(from_model, from_config))
+
+
+def test_inexact_and_unsupported_variants_are_refused():
+    dyn = _model(tf.LlamaConfig, **SMALL, rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0})
+    with pytest.raises(KVProbeError, match="dynamic NTK"):
+        rerotate(prefill(dyn, _ids(8)), torch.arange(10_000, 10_008), dyn)
+    with pytest.raises(KVProbeError, match="dynamic NTK"):
+        run_gate(dyn, chunk_len=4, offsets=(5,))
+    odd = VARIANTS["linear"]()
+    odd.model.rotary_emb.rope_type = "made_up"
+    with pytest.raises(KVProbeError, match="rope_type 'made_up'"):
+        rope_layer_info(odd)
+    with pytest.raises(KVProbeError, match="M-RoPE sectioned"):
+        rope_layer_info(tf.Qwen2VLTextConfig(rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                                "mrope_section": [2, 3, 3]}))
+    with pytest.raises(KVProbeError, match="M-RoPE interleaved"):
+        rope_layer_info(tf.Qwen3VLTextConfig())
+    with pytest.raises(KVProbeError, match="MLA"):
+        rope_layer_info(tf.DeepseekV2Config())
+    with pytest.raises(KVProbeError, match="GPT-J"):
+        rope_layer_info(tf.GPTJConfig())
 
 
 def test_gate_cli_on_config_only_dir(tmp_path, capsys):
     d = write_config_dir("gemma3", tmp_path / "g3")
-    assert main(["gate", "--model", str(d), "--chunk-len", "16", "--offsets", "5", "900"]) == 0
+    args = ["gate", "--model", str(d), "--chunk-len", "12", "--suffix-len", "1", "--offsets", "0", "5", "900"]
+    assert main(args) == 0
     assert "PASSED" in capsys.readouterr().out
-    # A tolerance no float computation meets makes the gate fail and the command exit non-zero.
-    assert main(["gate", "--model", str(d), "--chunk-len", "16", "--offsets", "900", "--key-tol", "0"]) == 1
+    # The no-rotation control (positions relabelled, keys not rotated) fails, so the command exits non-zero.
+    assert main(args + ["--no-rotate"]) == 1
+    assert "FAILED" in capsys.readouterr().out
+    assert main(["gate", "--model", str(tmp_path / "missing")]) == 2

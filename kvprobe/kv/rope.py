@@ -223,19 +223,17 @@ def rope_layer_info(model_or_config: Any) -> tuple[RopeLayerInfo, ...]:
     for i, rot in enumerate(per_layer):
         lt = layer_types[i] if isinstance(rot.rope_type, dict) else None
         key = (id(rot), lt)
-        if key not in cache:
-            cache[key] = _info_of(rot, lt, model_type, ROPE_INIT_FUNCTIONS)
+        if key not in cache:  # layers sharing one rotary setting share one info (and one cos/sin in rerotate)
+            cache[key] = _info_of(rot, lt, model_type, layout, ROPE_INIT_FUNCTIONS)
         info = cache[key]
         if no_rope is not None and not no_rope[i]:
             info = RopeLayerInfo("none", info.inv_freq, layout="none", layer_type=lt)
-        elif info.layout != layout:
-            info = RopeLayerInfo(info.rope_type, info.inv_freq, info.attention_scaling, layout, info.long_inv_freq,
-                                 info.original_max_position, lt)
         infos.append(info)
     return tuple(infos)
 
 
-def _info_of(rot: torch.nn.Module, layer_type: str | None, model_type: str, init_fns: dict) -> RopeLayerInfo:
+def _info_of(rot: torch.nn.Module, layer_type: str | None, model_type: str, layout: str,
+             init_fns: dict) -> RopeLayerInfo:
     rcfg = rot.config
     if layer_type is not None:
         rope_type = rot.rope_type.get(layer_type)
@@ -262,8 +260,8 @@ def _info_of(rot: torch.nn.Module, layer_type: str | None, model_type: str, init
             raise KVProbeError(f"{model_type}{where}: longrope attention scaling differs between its short and long "
                                "regimes; re-rotation refused")
     return RopeLayerInfo(rope_type=str(rope_type), inv_freq=inv.detach().to("cpu", torch.float32).clone(),
-                         attention_scaling=scaling, long_inv_freq=long_inv, original_max_position=orig,
-                         layer_type=layer_type)
+                         attention_scaling=scaling, layout=layout, long_inv_freq=long_inv,
+                         original_max_position=orig, layer_type=layer_type)
 
 
 # -- the rotation ---------------------------------------------------------------------------------------

@@ -6,11 +6,8 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    for module_name in ("kvprobe.kv.gate_cli", "kvprobe.organism.cli"):
-        try:
-            module = __import__(module_name, fromlist=["register"])
-        except ModuleNotFoundError as exc:
-            if exc.name != module_name:
-                raise
-            continue
-        module.register(sub)
+    from kvprobe.kv import gate_cli
+    from kvprobe.organism import cli as organism_cli
+
+    gate_cli.register(sub)
+    organism_cli.register(sub)
