@@ -32,3 +32,13 @@ def test_config_only_dir_is_seeded_random_init(tmp_path):
     assert a.tokenizer is None and a.fingerprint == b.fingerprint != c.fingerprint
     ids = torch.arange(10)[None]
     assert torch.equal(a.model(ids).logits, b.model(ids).logits)
+
+
+def test_arch_spec_reads_partial_rotary_from_rope_parameters():
+    import transformers as tf
+
+    from kvprobe.models.tiny import _COMMON
+
+    cfg = tf.Phi3Config(**_COMMON, partial_rotary_factor=0.5, pad_token_id=0,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    assert arch_spec(cfg).rope[0].partial_rotary_factor == 0.5

@@ -52,10 +52,11 @@ class ArchSpec:
 
 def _rope_entry(params: dict[str, Any], partial: float) -> RopeSpec:
     rope_type = params.get("rope_type", params.get("type", "default"))
+    partial = float(params.get("partial_rotary_factor", partial) or partial)  # transformers 5 keeps it here
     theta = params.get("rope_theta")
     if theta is None:
         raise KVProbeError(f"RoPE parameters {params} have no rope_theta; cannot derive the RoPE spec")
-    extra = {k: v for k, v in params.items() if k not in ("rope_type", "type", "rope_theta")}
+    extra = {k: v for k, v in params.items() if k not in ("rope_type", "type", "rope_theta", "partial_rotary_factor")}
     return RopeSpec(rope_type=str(rope_type), theta=float(theta), params=extra, partial_rotary_factor=partial)
 
 
