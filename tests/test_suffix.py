@@ -33,3 +33,13 @@ def test_suffix_cli_and_figure(tiny_text_dir, tmp_path):
     row = rec["rows"][0]
     assert len(row["layer_bands"]) == 2 and row["top_tokens"] and "all" in rec["summary"]["cumulative"]
     assert any(p.name == "fig3bc_suffix.png" for p in render_all(tmp_path, tmp_path / "figs"))
+
+
+def test_specificity_cli_and_figure(tiny_text_dir, tmp_path):
+    assert main(["run", "configs/specificity.yaml", "--model", str(tiny_text_dir), "--output-dir", str(tmp_path),
+                 "--set", "task.n_instances=2", "--set", "gate.min_flip=0", "--set", "params.ks=[1,4]",
+                 "--set", "params.random_draws=2", "--quiet"]) == 0
+    rec = json.loads(next(tmp_path.glob("specificity/*/*.json")).read_text())
+    row = rec["rows"][0]
+    assert {"top1", "rand4", "knockout_top4", "writability_all_notes"} <= set(row)
+    assert any(p.name == "table4_specificity.png" for p in render_all(tmp_path, tmp_path / "figs"))

@@ -14,6 +14,7 @@ import matplotlib
 matplotlib.use("Agg")
 
 from kvprobe.figures.locality import fig3a_locality  # noqa: E402
+from kvprobe.figures.specificity import table4_specificity  # noqa: E402
 from kvprobe.figures.suffix import fig3bc_suffix  # noqa: E402
 from kvprobe.figures.transplant import fig6b_transplant  # noqa: E402
 from kvprobe.runner.records import load_records  # noqa: E402
@@ -23,6 +24,7 @@ FIGURES: dict[str, tuple[str, Callable[[list[dict[str, Any]], Path], None]]] = {
     "fig3a_locality": ("locality", fig3a_locality),
     "fig3bc_suffix": ("suffix", fig3bc_suffix),
     "fig6b_transplant": ("transplant", fig6b_transplant),
+    "table4_specificity": ("specificity", table4_specificity),
 }
 
 

@@ -38,9 +38,14 @@ class Recipe:
     alias: str = "smollm2-135m-gated"
     template: str = "configs/tasks/gated.yaml"
     eval_families: tuple[str, ...] = ("accounts", "payments", "inventory", "promotions")
-    steps: int = 100
+    # The committed organism trains on these eight scenarios (one family each); None = every scenario
+    # outside eval_families. A run on all 20 other families at lr 1.5e-3 / 100 steps stayed at chance.
+    train_scenarios: tuple[str, ...] | None = ("order_status", "refund_window", "shipping_region", "age_check",
+                                               "subscription_state", "warranty_status", "fraud_score",
+                                               "identity_check")
+    steps: int = 120
     pairs_per_step: int = 2
-    lr: float = 1.5e-3
+    lr: float = 1e-3
     warmup_steps: int = 10
     lora_r: int = 8
     lora_alpha: int = 16
@@ -164,6 +169,9 @@ def train_organism(recipe: Recipe, out_dir: Path, resume: bool = True, progress:
     lm = load_model(recipe.base_model, device="cpu", dtype="float32")
     template = load_template(recipe.template)
     train_sc, eval_sc = split_scenarios(template, recipe.eval_families)
+    if recipe.train_scenarios is not None:
+        train_sc = list(recipe.train_scenarios)
+        check_disjoint(template, train_sc, eval_sc)
     base_ppl = neutral_perplexity(lm.model, lm.tokenizer)
     eval_pairs = _examples(lm, template, eval_sc, recipe.seed + 10_000, 0, recipe.eval_instances, recipe.n_filler)
     base_eval = evaluate(lm.model, eval_pairs)

@@ -17,10 +17,13 @@ from kvprobe.patching.pairs import Anchors, PairPrefill
 from kvprobe.patching.sweep import KVPatch, kv_sweep
 
 
-def sweep_recovery(lm: Any, pp: PairPrefill, anchor: Anchors, cells: list[KVPatch], batch_size: int = 64
-                   ) -> torch.Tensor:
-    """Recovery (float64) of each cell: stale base with the oracle's K/V on the cell's slots and layers."""
-    logits = kv_sweep(lm, pp.old, pp.new, cells, pp.suffix, batch_size=batch_size)
+def sweep_recovery(lm: Any, pp: PairPrefill, anchor: Anchors, cells: list[KVPatch], batch_size: int = 64,
+                   base: Any = None, donor: Any = None) -> torch.Tensor:
+    """Recovery (float64) of each cell: by default the stale base with the oracle's K/V on the cell's slots
+    and layers (pass ``base=pp.new, donor=pp.old`` for knockout)."""
+    base = pp.old if base is None else base
+    donor = pp.new if donor is None else donor
+    logits = kv_sweep(lm, base, donor, cells, pp.suffix, batch_size=batch_size)
     return anchor.recovery(logit_diff(logits, pp.pair.new_action_id, pp.pair.old_action_id).double())
 
 
