@@ -27,6 +27,10 @@ FIGURES: dict[str, tuple[str, Callable[[list[dict[str, Any]], Path], None]]] = {
     "table4_specificity": ("specificity", table4_specificity),
 }
 
+from kvprobe.figures.edit import EDIT_FIGURES  # noqa: E402
+
+FIGURES.update(EDIT_FIGURES)  # editing: figures 2c, 3d, 16, 17, 23
+
 
 def render_all(results_dir: str | Path = "results", out_dir: str | Path = "figures") -> list[Path]:
     out = Path(out_dir)

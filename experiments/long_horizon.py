@@ -1,0 +1,146 @@
+"""Long horizon: do leave-stale + erratum errors compound over a trajectory? (paper Appendix G, Figure 23)
+
+For each instance the gated field toggles between its two values every turn for ``turns`` turns. We keep ONE
+evolving cache: the static prefix (the prompt up to the end of the conversation) is prefilled once and never
+recomputed; at each turn the field's own tokens are refreshed in place to the current value and one
+erratum line announcing it is appended (scheme field_erratum; scheme erratum leaves the field at its first
+value), and the decision is read by running the decision prompt over the cache. The same turn is read from a
+full reprefill of the byte-identical token sequence (the current field value, every erratum so far, the
+decision prompt), so the only difference between the two is whether the downstream KV was recomputed after
+each change. Per turn we record decision agreement (argmax of the two action tokens) and the cosine of the
+full next-token logits; over turns, the slope of each and the first-third vs last-third profile. The paper
+(Qwen3-8B, Llama-3.1-8B, Mistral-7B) finds cosine 0.987-0.999, flat, and agreement slopes within +-0.01/turn.
+
+Where our setting differs: small embedded models; the token sequence is the cached prefix's tokens, each
+erratum's tokens and the decision prompt's tokens (decoded, it is exactly the text of the full prompt); the
+row records whether that sequence is also the canonical tokenization of the text. Scheme erratum is a
+numerical control: its two arms compute the same function of the same tokens, so they agree to float error.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvprobe.errors import KVProbeError
+from kvprobe.kv.edit import recompute_slots
+from kvprobe.kv.readout import prefill, read_logits
+from kvprobe.metrics import logit_cosine, logit_diff
+from kvprobe.runner.edit_summary import base_row, edit_case, edit_gate_summary
+from kvprobe.runner.experiment import Context, Experiment
+from kvprobe.stats.bootstrap import summarize
+from kvprobe.tasks.edits import decision_char, erratum_body, erratum_line, prompt_ids, prompt_text, split_prompt_at
+
+
+class Params(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    turns: int = Field(28, ge=1)
+    scheme: Literal["field_erratum", "erratum"] = "field_erratum"
+    erratum_wording: str | None = Field(None, description="over {field}, {new_value}; null: the template's erratum")
+    n_boot: int = Field(2000, ge=100, description="bootstrap resamples (over instances) for the slopes")
+
+
+def run_instance(ctx: Context, inst: Any) -> dict[str, Any]:
+    lm, p, tok, chat = ctx.lm, ctx.params, ctx.lm.tokenizer, ctx.lm.has_chat_template
+    c = edit_case(ctx, inst, 1)
+    pair = c.pair
+    text, special = prompt_text(tok, inst, inst.body(inst.old_value), chat)
+    head, query_text = split_prompt_at(tok, text, special, decision_char(ctx.template, text))
+    # Separators lead each later piece ("\n\n" + line, "\n\n" + decision prompt): a piece ending in whitespace
+    # would tokenize differently alone than before the next piece in the full text.
+    query = list(tok("\n\n" + query_text, add_special_tokens=False)["input_ids"])
+    heads = {inst.old_value: list(pair.ids_old[: len(head)]), inst.new_value: list(pair.ids_new[: len(head)])}
+    if heads[inst.old_value] != head:
+        raise KVProbeError("the cached prefix does not tokenize as the prompt's own prefix")
+    action_id = {inst.old_value: pair.old_action_id, inst.new_value: pair.new_action_id}
+    other = {inst.old_value: inst.new_value, inst.new_value: inst.old_value}
+
+    state = c.pp.old.slice(0, len(head))  # the static prefix, prefilled once
+    appended: list[int] = []
+    lines: list[str] = []
+    turns = []
+    for t in range(1, p.turns + 1):
+        value = inst.new_value if t % 2 else inst.old_value
+        field_value = value if p.scheme == "field_erratum" else inst.old_value
+        lines.append(erratum_line(ctx.template, inst, value, p.erratum_wording))
+        err = list(tok(("\n\n" if t > 1 else "") + lines[-1], add_special_tokens=False)["input_ids"])
+        recomputed = 0
+        if p.scheme == "field_erratum":
+            state = recompute_slots(lm, state, heads[value] + appended, pair.field_slots)
+            recomputed = len(pair.field_slots)
+        state = prefill(lm, err, prior=state)
+        appended += err
+        seq = heads[field_value] + appended
+        full = prefill(lm, seq)
+        logits = read_logits(lm, [state, full], query)  # same slots and positions: one batch
+        ld = logit_diff(logits, action_id[value], action_id[other[value]]).tolist()
+        canonical = prompt_ids(tok, inst, erratum_body(ctx.template, inst, field_value, lines), chat) == seq + query
+        turns.append({"turn": t, "value": value, "cache_ld": ld[0], "reference_ld": ld[1],
+                      "cache_correct": ld[0] > 0, "reference_correct": ld[1] > 0, "agree": (ld[0] > 0) == (ld[1] > 0),
+                      "cosine": float(logit_cosine(logits[0], logits[1])),
+                      "recomputed_tokens": recomputed + len(err), "total_tokens": len(seq),
+                      "canonical_tokenization": canonical})
+    return {**base_row(ctx, inst, c), "scheme": p.scheme, "prefix_tokens": len(head),
+            "query_tokens": len(query), "turns": turns}
+
+
+def _slope(y_by_instance: np.ndarray) -> float:
+    turns = np.arange(1, y_by_instance.shape[1] + 1)
+    return float(np.polyfit(turns, y_by_instance.mean(axis=0), 1)[0]) if turns.size > 1 else float("nan")
+
+
+def _slope_ci(y: np.ndarray, n_boot: int, seed: int) -> dict[str, float]:
+    rng = np.random.default_rng(seed)
+    boots = [_slope(y[rng.integers(0, y.shape[0], y.shape[0])]) for _ in range(n_boot)] if y.shape[0] > 1 else []
+    lo, hi = (np.quantile(boots, [0.025, 0.975]) if boots else (float("nan"), float("nan")))
+    return {"slope": _slope(y), "ci_low": float(lo), "ci_high": float(hi), "n_instances": int(y.shape[0])}
+
+
+def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    out = edit_gate_summary(ctx, rows)
+    used = [r for r in rows if r["included"]] or rows
+    seed = ctx.cfg.seed
+
+    def grid(key: str) -> np.ndarray:
+        return np.asarray([[float(t[key]) for t in r["turns"]] for r in used])
+
+    agree, cosine = grid("agree"), grid("cosine")
+    n_turns = agree.shape[1]
+    third = max(1, n_turns // 3)
+    out["scheme"] = ctx.params.scheme
+    out["turns"] = n_turns
+    out["per_turn"] = [{"turn": i + 1, "agreement": float(agree[:, i].mean()), "cosine": float(cosine[:, i].mean()),
+                        "cache_accuracy": float(grid("cache_correct")[:, i].mean()),
+                        "reference_accuracy": float(grid("reference_correct")[:, i].mean())} for i in range(n_turns)]
+    out["agreement"] = summarize(agree.mean(axis=1).tolist(), seed=seed)
+    out["cosine"] = summarize(cosine.mean(axis=1).tolist(), seed=seed)
+    out["agreement_slope_per_turn"] = _slope_ci(agree, ctx.params.n_boot, seed)
+    out["cosine_slope_per_turn"] = _slope_ci(cosine, ctx.params.n_boot, seed)
+    out["cosine_first_third"] = float(cosine[:, :third].mean())
+    out["cosine_last_third"] = float(cosine[:, -third:].mean())
+    out["reference_accuracy"] = float(grid("reference_correct").mean())
+    out["cache_accuracy"] = float(grid("cache_correct").mean())
+    out["canonical_tokenization"] = float(grid("canonical_tokenization").mean())
+    last = [r["turns"][-1] for r in used]
+    out["recompute_fraction_last_turn"] = float(np.mean([t["recomputed_tokens"] / t["total_tokens"] for t in last]))
+    return out
+
+
+def table(s: dict[str, Any]) -> str:
+    a, c = s["agreement_slope_per_turn"], s["cosine_slope_per_turn"]
+    return "\n".join([
+        f"instances {s['n_instances']}, included {s['n_included']} (gate: flip >= {s['gate']['min_flip']}); "
+        f"summary over {s['summary_over']}; scheme {s['scheme']}, {s['turns']} turns",
+        f"decision agreement {s['agreement']['mean']:.3f} "
+        f"[{s['agreement']['ci_low']:.3f}, {s['agreement']['ci_high']:.3f}]"
+        f", slope {a['slope']:+.4f}/turn [{a['ci_low']:+.4f}, {a['ci_high']:+.4f}]",
+        f"logit cosine {s['cosine']['mean']:.4f}, first third {s['cosine_first_third']:.4f} -> last third "
+        f"{s['cosine_last_third']:.4f}, slope {c['slope']:+.5f}/turn",
+        f"accuracy: reference {s['reference_accuracy']:.3f}, evolving cache {s['cache_accuracy']:.3f}; "
+        f"canonical tokenization {s['canonical_tokenization']:.2f}"])
+
+
+EXPERIMENT = Experiment(name="long_horizon", doc=__doc__, params=Params, run_instance=run_instance,
+                        summarize=summarize_rows, table=table)

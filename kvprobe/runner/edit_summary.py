@@ -1,0 +1,126 @@
+"""Rows and summaries the editing experiments share (paper Section 4, Appendix E).
+
+A method's entry in a row: its action logit difference (new-correct minus old-correct action), whether its
+decision is correct (argmax of the two action tokens is the new value's action, i.e. ld > 0), its recovery
+between the instance's stale and oracle anchors, its exact recompute counts, and, where the method reads a
+prompt other than the original (erratum, hoist), its agreement with a full reprefill of that same text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvprobe.kv.edit import FieldEdit
+from kvprobe.kv.readout import read_logits
+from kvprobe.metrics import logit_diff
+from kvprobe.patching.pairs import Anchors, PairPrefill, measure, prefill_pair
+from kvprobe.runner.summary import gate_summary
+from kvprobe.stats.bootstrap import summarize
+from kvprobe.tasks.gated import TokenizedPair, tokenize_pair
+
+
+@dataclass(frozen=True)
+class EditCase:
+    """One instance ready to edit: its token pair, both prefills, the edit and the stale/oracle anchors."""
+
+    pair: TokenizedPair
+    pp: PairPrefill
+    edit: FieldEdit
+    anchor: Anchors
+    readout_tokens: int
+
+
+def edit_case(ctx: Any, inst: Any, readout_tokens: int) -> EditCase:
+    lm = ctx.lm
+    pair = tokenize_pair(lm.tokenizer, inst, lm.has_chat_template)
+    pp = prefill_pair(lm, pair, readout_tokens)
+    anchor, _, _ = measure(lm, pp, {}, ctx.cfg.batch_size)
+    return EditCase(pair, pp, FieldEdit.from_pair(pp), anchor, readout_tokens)
+
+
+def base_row(ctx: Any, inst: Any, case: EditCase) -> dict[str, Any]:
+    """What every edit row starts with: the instance, its size, the anchors and whether it passed the gate."""
+    return {**inst.row(), "n_tokens": len(case.pair), "field_slots": case.pair.field_slots, **case.anchor.row(),
+            "included": case.anchor.gate(ctx.cfg.gate.min_flip, ctx.cfg.gate.require_oracle_correct)}
+
+
+def read_ld(lm: Any, pair: Any, state: Any, suffix: Sequence[int]) -> float:
+    """Action logit difference of one state (new-correct minus old-correct action)."""
+    return float(logit_diff(read_logits(lm, state, list(suffix)), pair.new_action_id, pair.old_action_id)[0])
+
+
+def method_entry(anchor: Any, ld: float, result: Any = None, reference_ld: float | None = None) -> dict[str, Any]:
+    entry: dict[str, Any] = {"ld": ld, "correct": ld > 0, "recovery": float(anchor.recovery(ld))}
+    if result is not None:
+        entry.update(result.row())
+    if reference_ld is not None:
+        entry["reference_ld"] = reference_ld
+        entry["agrees_with_reference"] = (ld > 0) == (reference_ld > 0)
+    return entry
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    vals = [float(v) for v in values]
+    return sum(vals) / len(vals) if vals else None
+
+
+def methods_summary(rows: Sequence[dict[str, Any]], names: Sequence[str], seed: int = 0,
+                    key: str = "methods") -> dict[str, Any]:
+    """Per method: P(correct) and recovery (bootstrap CIs over gated and over all instances), mean recompute
+    fraction, whether it needs prompt surgery, and agreement with its own full reprefill where measured."""
+    out: dict[str, Any] = {}
+    gated = [r for r in rows if r["included"]]
+    for name in names:
+        def col(rs, field, name=name):
+            return [r[key][name][field] for r in rs if name in r[key] and field in r[key][name]]
+
+        block: dict[str, Any] = {
+            "p_correct": {"gated": summarize([float(v) for v in col(gated, "correct")], seed=seed),
+                          "all": summarize([float(v) for v in col(rows, "correct")], seed=seed)},
+            "recovery": {"gated": summarize(col(gated, "recovery"), seed=seed),
+                         "all": summarize(col(rows, "recovery"), seed=seed)},
+        }
+        if col(rows, "recompute_fraction"):
+            block["recompute_fraction"] = _mean(col(rows, "recompute_fraction"))
+            block["needs_prompt_surgery"] = any(col(rows, "needs_prompt_surgery"))
+        if col(rows, "agrees_with_reference"):
+            block["agreement_with_reference"] = _mean([float(v) for v in col(rows, "agrees_with_reference")])
+        out[name] = block
+    return out
+
+
+def edit_gate_summary(ctx: Any, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The gate block plus the effect size every edit record carries: the oracle flip (nats) with a CI."""
+    out = gate_summary(rows, ctx.cfg.gate)
+    out["effect_size"] = {"oracle_flip_nats": summarize([r["flip"] for r in rows], seed=ctx.cfg.seed),
+                          "oracle_flip_nats_gated": summarize([r["flip"] for r in rows if r["included"]],
+                                                              seed=ctx.cfg.seed)}
+    out["summary_over"] = "gated" if out["n_included"] else "all (no instance passed the gate)"
+    return out
+
+
+def _cell(stat: dict[str, Any]) -> str:
+    if not stat or stat.get("n", 0) == 0 or stat.get("mean") is None:
+        return "n/a"
+    return f"{stat['mean']:.2f} [{stat['ci_low']:.2f}, {stat['ci_high']:.2f}]"
+
+
+def format_methods_table(summary: dict[str, Any], names: Sequence[str], key: str = "methods") -> str:
+    which = "gated" if summary["n_included"] else "all"
+    g = summary["gate"]
+    w = max([len(n) for n in names] + [20]) + 2
+    lines = [f"instances {summary['n_instances']}, included {summary['n_included']} (gate: oracle flip >= "
+             f"{g['min_flip']} nats); oracle flip median {summary['oracle_flip'].get('median', float('nan')):.3f}; "
+             f"columns over {which} instances",
+             f"{'method':<{w}}{'P(correct)':<22}{'recovery':<24}{'recompute':>10}  surgery  vs-reprefill"]
+    for name in names:
+        b = summary[key][name]
+        frac = b.get("recompute_fraction")
+        agree = b.get("agreement_with_reference")
+        lines.append(f"{name:<{w}}{_cell(b['p_correct'][which]):<22}{_cell(b['recovery'][which]):<24}"
+                     f"{'' if frac is None else f'{100 * frac:.1f}%':>10}  "
+                     f"{'yes' if b.get('needs_prompt_surgery') else 'no':<8} "
+                     f"{'' if agree is None else f'{agree:.2f}'}")
+    return "\n".join(lines)
