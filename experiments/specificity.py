@@ -20,13 +20,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvprobe.patching.pairs import measure, prefill_pair
-from kvprobe.patching.ranking import rank_downstream, sweep_recovery
+from kvprobe.patching.ranking import ranked_instance, sweep_recovery
 from kvprobe.patching.sweep import KVPatch
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.runner.summary import gate_summary
 from kvprobe.stats.bootstrap import summarize
-from kvprobe.tasks.gated import tokenize_pair
 
 
 class Params(BaseModel):
@@ -37,10 +35,8 @@ class Params(BaseModel):
 
 def _measurements(ctx: Context, inst: Any) -> dict[str, Any]:
     lm, p = ctx.lm, ctx.params
-    pair = tokenize_pair(lm.tokenizer, inst, lm.has_chat_template)
-    pp = prefill_pair(lm, pair)
-    anchor, _, _ = measure(lm, pp, {}, ctx.cfg.batch_size)
-    ranking = rank_downstream(lm, pp, anchor)
+    pp, anchor, ranking = ranked_instance(lm, inst, ctx.cfg.batch_size)
+    pair = pp.pair
     rng = random.Random(int(hashlib.sha256(f"{ctx.cfg.seed}:{inst.index}".encode()).hexdigest()[:8], 16))
     ks = [k for k in p.ks if k <= len(ranking.positions)]
     top = [KVPatch.of(ranking.positions[:k]) for k in ks]

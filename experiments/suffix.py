@@ -18,13 +18,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvprobe.patching.pairs import measure, prefill_pair
-from kvprobe.patching.ranking import rank_downstream, sweep_recovery
+from kvprobe.patching.ranking import ranked_instance, sweep_recovery
 from kvprobe.patching.sweep import KVPatch
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.runner.summary import gate_summary
 from kvprobe.stats.bootstrap import summarize
-from kvprobe.tasks.gated import tokenize_pair
 
 
 class Params(BaseModel):
@@ -36,10 +34,8 @@ class Params(BaseModel):
 
 def run_instance(ctx: Context, inst: Any) -> dict[str, Any]:
     lm, p = ctx.lm, ctx.params
-    pair = tokenize_pair(lm.tokenizer, inst, lm.has_chat_template)
-    pp = prefill_pair(lm, pair)
-    anchor, _, _ = measure(lm, pp, {}, ctx.cfg.batch_size)
-    ranking = rank_downstream(lm, pp, anchor)
+    pp, anchor, ranking = ranked_instance(lm, inst, ctx.cfg.batch_size)
+    pair = pp.pair
     ks = [k for k in p.top_k if k < len(ranking.positions)] + [len(ranking.positions)]
     n = lm.spec.n_layers
     bands = [list(range(round(b * n / p.layer_bands), round((b + 1) * n / p.layer_bands))) for b in range(p.layer_bands)]

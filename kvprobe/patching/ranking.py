@@ -38,3 +38,14 @@ def rank_downstream(lm: Any, pp: PairPrefill, anchor: Anchors, batch_size: int =
     rec = sweep_recovery(lm, pp, anchor, [KVPatch.of([p]) for p in slots], batch_size)
     order = torch.argsort(rec.nan_to_num(0.0), descending=True).tolist()
     return PositionRanking([slots[i] for i in order], [float(rec[i]) for i in order])
+
+
+def ranked_instance(lm: Any, inst: Any, batch_size: int = 16) -> tuple[PairPrefill, Anchors, PositionRanking]:
+    """Tokenize and prefill one instance, read its anchors and rank its downstream positions: the shared
+    start of every probe that patches sets of top-ranked notes."""
+    from kvprobe.patching.pairs import measure, prefill_pair
+    from kvprobe.tasks.gated import tokenize_pair
+
+    pp = prefill_pair(lm, tokenize_pair(lm.tokenizer, inst, lm.has_chat_template))
+    anchor, _, _ = measure(lm, pp, {}, batch_size)
+    return pp, anchor, rank_downstream(lm, pp, anchor)
