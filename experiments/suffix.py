@@ -2,86 +2,96 @@
 Figure 3b/3c)
 
 For each instance we patch the oracle's downstream K/V into the stale cache one position at a time (all
-layers) and rank positions by their causal effect on the decision. Cumulative recovery is then read as
-more top-ranked positions are patched together (K = 1, 2, 4, ...), and layer-resolved recovery patches every
-downstream position at one layer band at a time. The top positions are decoded so aggregator and
-delimiter tokens are visible in the rows. All cells of an instance are read by the shared-base sweep
-engine from the instance's two prefills.
+layers) and rank positions by their causal effect on the decision (kvprobe.patching.ranking). Cumulative
+recovery is then read as more top-ranked positions are patched together (K = 0, 1, 2, 4, ..., all);
+layer-resolved recovery patches every downstream position at one layer (and at contiguous layer bands).
+The position profile (every downstream slot's single-position effect) is kept per row for Figure 3c, and
+the top positions are decoded so aggregator and delimiter tokens are visible. All cells of an instance are
+read by one kv_sweep from the instance's two prefills.
 
-Where our setting differs: small models; the gate excludes instances whose oracle flip is too small for a
-ratio to mean anything, and both gated and all-instance summaries are recorded.
+With ``include_field`` every cumulative and layer cell also patches the field's own slots (the paper's
+field+selective@K): K=0 is then exactly field-only and K=all exactly full-downstream. Without it (default,
+as in Table 4's top-k) K=all is "downstream only", which still reads the stale field.
+
+Where our setting differs: small models (pretrained ones gate weakly; the trained organism
+``smollm2-135m-gated`` has a strong flip); the ranking is in-sample; the gate excludes instances whose
+oracle flip is too small for a ratio to mean anything, and both gated and all-instance summaries are kept.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvprobe.patching.ranking import ranked_instance, sweep_recovery
+from kvprobe.patching.ranking import count_grid, describe_positions, layer_bands, rank_downstream, sweep_recovery
 from kvprobe.patching.sweep import KVPatch
 from kvprobe.runner.experiment import Context, Experiment
-from kvprobe.runner.summary import gate_summary
+from kvprobe.runner.probe_common import binned_profile, case_row, curve_summary, curves_table, probe_case, which
+from kvprobe.runner.summary import gate_summary, recovery_summary
 from kvprobe.stats.bootstrap import summarize
 
 
 class Params(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     top_k: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    include_field: bool = Field(False, description="cumulative and layer cells also patch the field's slots")
     layer_bands: int = Field(6, ge=1, description="layers are grouped into this many contiguous bands")
-    decode_top: int = 8
+    per_layer: bool = Field(True, description="also patch all downstream positions at each single layer")
+    decode_top: int = Field(8, ge=0)
+    position_bins: int = Field(20, ge=1, description="bins of relative downstream position in the summary")
 
 
 def run_instance(ctx: Context, inst: Any) -> dict[str, Any]:
     lm, p = ctx.lm, ctx.params
-    pp, anchor, ranking = ranked_instance(lm, inst, ctx.cfg.batch_size)
-    pair = pp.pair
-    ks = [k for k in p.top_k if k < len(ranking.positions)] + [len(ranking.positions)]
-    n = lm.spec.n_layers
-    bands = [list(range(round(b * n / p.layer_bands), round((b + 1) * n / p.layer_bands))) for b in range(p.layer_bands)]
-    cells = [KVPatch.of(ranking.positions[:k]) for k in ks] + [KVPatch.of(pp.downstream_slots, band) for band in bands]
-    rec = sweep_recovery(lm, pp, anchor, cells).tolist()
-    top = ranking.positions[: p.decode_top]
-    return {**inst.row(), "n_tokens": len(pair), "n_downstream": len(pp.downstream_slots), **anchor.row(),
-            "included": anchor.gate(ctx.cfg.gate.min_flip, ctx.cfg.gate.require_oracle_correct),
-            "cumulative": {str(k): rec[i] for i, k in enumerate(ks)},
-            "layer_bands": [{"layers": [b[0], b[-1]], "recovery": rec[len(ks) + i]} for i, b in enumerate(bands)],
-            "top_positions": top, "top_effects": ranking.effects[: p.decode_top],
-            "top_tokens": [lm.tokenizer.decode([pair.ids_old[t]]) for t in top],
-            "top_relative_position": [(t - pp.field_slots[-1]) / len(pp.downstream_slots) for t in top]}
+    case = probe_case(ctx, inst, lambda pp: {"field_only": pp.field_only(), "full_downstream": pp.full_downstream()})
+    pp, anchor = case.pp, case.anchor
+    ranking = rank_downstream(lm, pp, anchor, ctx.cfg.batch_size)
+    extra = pp.field_slots if p.include_field else []
+    down = pp.downstream_slots
+    grid = count_grid([0, *p.top_k], len(down))
+    bands = layer_bands(lm.spec.n_layers, p.layer_bands)
+    singles = [[layer] for layer in range(lm.spec.n_layers)] if p.per_layer else []
+    cells = [KVPatch.of(extra + ranking.top(k)) for _, k in grid] + \
+        [KVPatch.of(extra + down, layers) for layers in bands + singles]
+    rec = sweep_recovery(lm, pp, anchor, cells, ctx.cfg.batch_size).tolist()
+    n_grid, by_slot = len(grid), ranking.effect_by_slot()
+    top = describe_positions(lm.tokenizer, case.pair.ids_old, ranking, p.decode_top, pp.field_slots[-1])
+    return {**case_row(ctx, inst, case),
+            "cumulative": {label: rec[i] for i, (label, _) in enumerate(grid)},
+            "layer_bands": [{"layers": [b[0], b[-1]], "recovery": rec[n_grid + i]} for i, b in enumerate(bands)],
+            "per_layer": rec[n_grid + len(bands):],
+            "position_effect": [round(by_slot[s], 6) for s in down],
+            "top": top, "top_tokens": [t["token"] for t in top]}
 
 
 def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    seed, p = ctx.cfg.seed, ctx.params
     out = gate_summary(rows, ctx.cfg.gate)
-    gated = [r for r in rows if r["included"]] or rows
-    out["summary_over"] = "gated" if any(r["included"] for r in rows) else "all (no instance passed the gate)"
-    ks = [k for k in ctx.params.top_k] + ["all"]
-    out["cumulative"] = {}
-    for k in ks:
-        vals = [r["cumulative"].get(str(k)) if k != "all" else r["cumulative"][max(r["cumulative"], key=int)]
-                for r in gated]
-        out["cumulative"][str(k)] = summarize([v for v in vals if v is not None], seed=ctx.cfg.seed)
-    out["layer_bands"] = [{"layers": b["layers"], **summarize([r["layer_bands"][i]["recovery"] for r in gated],
-                                                               seed=ctx.cfg.seed)}
-                          for i, b in enumerate(gated[0]["layer_bands"])]
-    counts: dict[str, int] = {}
-    for r in gated:
-        for tok in r["top_tokens"][:4]:
-            counts[tok] = counts.get(tok, 0) + 1
-    out["most_frequent_top_tokens"] = sorted(counts.items(), key=lambda kv: -kv[1])[:12]
+    out["include_field"] = p.include_field
+    out["recovery"] = recovery_summary(rows, ["field_only", "full_downstream"], seed=seed)
+    out["cumulative"] = curve_summary(rows, "cumulative", seed)
+    out["per_layer"] = curve_summary(rows, "per_layer", seed) if p.per_layer else {}
+    bands = curve_summary(rows, lambda r: [b["recovery"] for b in r["layer_bands"]], seed)
+    out["layer_bands"] = [{"layers": b["layers"], **bands[str(i)]} for i, b in enumerate(rows[0]["layer_bands"])]
+    out["position_profile"] = curve_summary(rows, lambda r: binned_profile(r["position_effect"], p.position_bins),
+                                            seed)
+    used = [r for r in rows if r["included"]] if out["n_included"] else rows
+    out["top1_offset"] = summarize([r["top"][0]["offset"] for r in used if r["top"]], seed=seed)
+    counts = Counter(tok for r in used for tok in r["top_tokens"][:4])
+    out["most_frequent_top_tokens"] = counts.most_common(12)
     return out
 
 
 def table(s: dict[str, Any]) -> str:
-    lines = [f"instances {s['n_instances']}, included {s['n_included']} (gate: flip >= {s['gate']['min_flip']}); "
-             f"summary over {s['summary_over']}", "cumulative recovery, top-K downstream positions:"]
-    lines += [f"  K={k:<5} {v['mean']:+.3f} [{v['ci_low']:+.3f}, {v['ci_high']:+.3f}]" for k, v in s["cumulative"].items()
-              if v["n"]]
-    lines.append("layer bands (all downstream positions at those layers):")
-    lines += [f"  L{b['layers'][0]}-{b['layers'][1]:<4} {b['mean']:+.3f} [{b['ci_low']:+.3f}, {b['ci_high']:+.3f}]"
-              for b in s["layer_bands"]]
-    lines.append("top tokens: " + ", ".join(f"{t!r}x{c}" for t, c in s["most_frequent_top_tokens"]))
-    return "\n".join(lines)
+    text = curves_table(s, [("cumulative recovery, top-K downstream positions"
+                             + (" + field" if s["include_field"] else ""), "cumulative")])
+    w = which(s)
+    bands = "  ".join(f"L{b['layers'][0]}-{b['layers'][1]} {b[w]['mean']:+.3f}" for b in s["layer_bands"]
+                      if b[w]["mean"] is not None)
+    tokens = ", ".join(f"{t!r}x{c}" for t, c in s["most_frequent_top_tokens"])
+    return f"{text}\nlayer bands (all downstream positions there): {bands}\ntop tokens: {tokens}"
 
 
 EXPERIMENT = Experiment(name="suffix", doc=__doc__, params=Params, run_instance=run_instance,

@@ -31,6 +31,10 @@ from kvprobe.figures.edit import EDIT_FIGURES  # noqa: E402
 
 FIGURES.update(EDIT_FIGURES)  # editing: figures 2c, 3d, 16, 17, 23
 
+from kvprobe.figures.mechanism import MECHANISM_FIGURES  # noqa: E402
+
+FIGURES.update(MECHANISM_FIGURES)  # mechanism: knockout, probes, writability, timing, Table 4 left
+
 
 def render_all(results_dir: str | Path = "results", out_dir: str | Path = "figures") -> list[Path]:
     out = Path(out_dir)

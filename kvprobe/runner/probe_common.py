@@ -1,0 +1,203 @@
+"""What the mechanism probes share (paper Section 3 probes (2)-(4), Appendix C controls).
+
+- :func:`probe_case` / :func:`case_row`: one instance's two prefills, its stale/oracle anchors (plus any named
+  states, read in the same batch) and the row fields every record carries (instance, gate, recoveries);
+- :func:`polarity_instances`: the ``make_instances`` of the probes that need the polarity 2x2 task;
+- :func:`pair_features` / :func:`probe_features` / :func:`layer_probe`: residual features of both prompts of
+  a pair, kept per run in ``ctx.scratch`` (too large for rows; recomputed for rows a resumed run already
+  had), and group-CV probes over them;
+- :func:`curve_summary` / :func:`binned_profile` / :func:`curves_table`: summaries of per-row curves (a
+  dict label -> value, or a list), over gated and over all instances.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvprobe.kv.state import KVState
+from kvprobe.patching.pairs import Anchors, PairPrefill, measure, prefill_pair
+from kvprobe.patching.ranking import decode_token, rank_downstream
+from kvprobe.patching.residuals import resid_stack
+from kvprobe.runner.summary import recovery_summary
+from kvprobe.stats.probe import group_cv_accuracy
+from kvprobe.tasks.gated import TokenizedPair, load_template, tokenize_pair
+
+@dataclass(frozen=True)
+class Case:
+    pair: TokenizedPair
+    pp: PairPrefill
+    anchor: Anchors
+    lds: dict[str, float]
+    rec: dict[str, float]
+
+
+def probe_case(ctx: Any, inst: Any, states: Callable[[PairPrefill], dict[str, KVState]] | None = None) -> Case:
+    """Tokenize and prefill one instance; read stale, oracle and ``states(pp)`` in one batched readout."""
+    lm = ctx.lm
+    pair = tokenize_pair(lm.tokenizer, inst, lm.has_chat_template)
+    pp = prefill_pair(lm, pair)
+    anchor, lds, rec = measure(lm, pp, states(pp) if states else {}, ctx.cfg.batch_size)
+    return Case(pair, pp, anchor, lds, rec)
+
+
+def case_row(ctx: Any, inst: Any, case: Case) -> dict[str, Any]:
+    """Instance fields, sizes, anchors, the gate decision, and each named state's ld and recovery."""
+    return {**inst.row(), "n_tokens": len(case.pair), "field_slots": case.pair.field_slots,
+            "n_downstream": len(case.pp.downstream_slots), **case.anchor.row(),
+            "included": case.anchor.gate(ctx.cfg.gate.min_flip, ctx.cfg.gate.require_oracle_correct),
+            **{f"{k}_ld": v for k, v in case.lds.items()}, **case.rec}
+
+
+def ld_from_recovery(anchor: Anchors, rec: Sequence[float]) -> list[float]:
+    return [anchor.stale_ld + r * anchor.flip for r in rec]
+
+
+def same_decision(anchor: Anchors, lds: Sequence[float], target: str) -> list[bool | None]:
+    """Per ld, whether its decision (sign of the action logit difference) is the ``target`` anchor's
+    ('stale' or 'oracle'); None where stale and oracle decide alike (nothing to follow or revert to)."""
+    ref = anchor.stale_ld if target == "stale" else anchor.oracle_ld
+    if (anchor.stale_ld > 0) == (anchor.oracle_ld > 0):
+        return [None] * len(lds)
+    return [(ld > 0) == (ref > 0) for ld in lds]
+
+
+def polarity_instances(ctx: Any) -> list[Any]:
+    """Polarity 2x2 instances from ``cfg.task`` (the template must put ``{trigger}`` in every rule)."""
+    from kvprobe.tasks.polarity import generate_polarity_instances
+
+    task = ctx.cfg.task
+    ctx.template = load_template(task.template)
+    insts = generate_polarity_instances(ctx.template, task.n_instances, ctx.cfg.seed, task.scenarios, task.n_filler)
+    ctx.scratch["instances"] = {i.index: i for i in insts}
+    return insts
+
+
+# -- residual features and probes -------------------------------------------------------------------------
+
+def named_slots(ctx: Any, case: Case, names: Sequence[str]) -> dict[str, int | None]:
+    """Context slot of each named probe position: ``last_context`` (the last slot before the query suffix),
+    ``top_effect`` (the downstream slot whose oracle K/V alone moves the stale decision most) or
+    ``decision`` (None: the query suffix's last token, where the decision is read)."""
+    slots: dict[str, int | None] = {}
+    for name in names:
+        if name == "last_context":
+            slots[name] = case.pp.context_length - 1
+        elif name == "top_effect":
+            slots[name] = rank_downstream(ctx.lm, case.pp, case.anchor, ctx.cfg.batch_size).positions[0]
+        elif name == "decision":
+            slots[name] = None
+        else:
+            raise ValueError(f"probe position '{name}' is not one of last_context, top_effect, decision")
+    return slots
+
+
+def pair_features(lm: Any, pp: PairPrefill, slots: dict[str, int | None], layers: Sequence[int] | None = None
+                  ) -> dict[str, np.ndarray]:
+    """``resid_post`` of both prompts (old, new) at named context slots (None = the decision token, read
+    over each prompt's own cache): name -> ``[2, layers, d_model]`` float32."""
+    ctx_named = {n: s for n, s in slots.items() if s is not None}
+    out: dict[str, list[np.ndarray]] = {n: [] for n in slots}
+    for ids, state in ((pp.pair.ids_old, pp.old), (pp.pair.ids_new, pp.new)):
+        if ctx_named:
+            acts = resid_stack(lm, ids[: pp.context_length], list(ctx_named.values()), layers=layers)
+            for j, name in enumerate(ctx_named):
+                out[name].append(acts[:, j].numpy())
+        if len(ctx_named) < len(slots):
+            acts = resid_stack(lm, pp.suffix, [len(pp.suffix) - 1], prior=state, layers=layers)
+            for name in slots:
+                if slots[name] is None:
+                    out[name].append(acts[:, 0].numpy())
+    return {n: np.stack(v) for n, v in out.items()}
+
+
+def slot_tokens(lm: Any, pp: PairPrefill, slots: dict[str, int | None]) -> dict[str, str]:
+    return {n: decode_token(lm.tokenizer, pp.pair.ids_old[s] if s is not None else pp.suffix[-1])
+            for n, s in slots.items()}
+
+
+def probe_features(ctx: Any, rows: Sequence[dict[str, Any]],
+                   compute: Callable[[Any, dict[str, Any]], dict[str, np.ndarray]]) -> dict[int, dict[str, np.ndarray]]:
+    """Features of every row: those ``run_instance`` kept in ``ctx.scratch['features']``, and, for rows a
+    resumed run read back from disk, ``compute(instance, row)`` again."""
+    kept = ctx.scratch.setdefault("features", {})
+    for row in rows:
+        if row["index"] not in kept:
+            kept[row["index"]] = compute(ctx.scratch["instances"][row["index"]], row)
+    return {r["index"]: kept[r["index"]] for r in rows}
+
+
+def layer_probe(rows: Sequence[dict[str, Any]], feats: dict[int, dict[str, np.ndarray]], position: str,
+                label: str, n_splits: int, c: float) -> dict[str, Any]:
+    """Per layer, the group-CV accuracy (groups = scenario) of a logistic probe for ``label`` from the
+    features at ``position``; two samples per row (its old and new prompt)."""
+    if not rows:
+        return {"acc": [], "chance": [], "n": 0, "n_groups": 0}
+    x = np.concatenate([feats[r["index"]][position] for r in rows])  # [2 * rows, layers, d]
+    y = [v for r in rows for v in r["labels"][label]]
+    groups = [r["scenario"] for r in rows for _ in range(2)]
+    fits = [group_cv_accuracy(x[:, layer], y, groups, n_splits, c) for layer in range(x.shape[1])]
+    return {"acc": [f["acc"] for f in fits], "chance": [f["chance"] for f in fits], "n": len(y),
+            "n_groups": fits[0]["n_groups"]}
+
+
+def fit_rows(rows: Sequence[dict[str, Any]], fit_on: str) -> list[dict[str, Any]]:
+    return [r for r in rows if r["included"]] if fit_on == "included" else list(rows)
+
+
+# -- summaries of curves ------------------------------------------------------------------------------------
+
+def _as_dict(curve: Any) -> dict[str, Any]:
+    return {str(i): v for i, v in enumerate(curve)} if isinstance(curve, list) else dict(curve)
+
+
+def curve_summary(rows: Sequence[dict[str, Any]], key: str | Callable[[dict[str, Any]], Any],
+                  seed: int = 0) -> dict[str, Any]:
+    """Per label of each row's curve (``row[key]``, or ``key(row)``; a dict, or a list indexed 0..n-1): mean
+    with bootstrap CI over gated and over all instances. Booleans summarize as rates."""
+    get = key if callable(key) else (lambda row: row[key])
+    flat, labels = [], []
+    for row in rows:
+        curve = _as_dict(get(row))
+        labels += [k for k in curve if k not in labels]
+        flat.append({"included": row["included"],
+                     **{k: (None if v is None else float(v)) for k, v in curve.items()}})
+    for f in flat:
+        for k in labels:
+            f.setdefault(k, None)
+    return recovery_summary(flat, labels, seed=seed)
+
+
+def binned_profile(values: Sequence[float | None], n_bins: int) -> list[float | None]:
+    """Mean of ``values`` in ``n_bins`` equal bins of relative position (None where a bin is empty)."""
+    n = len(values)
+    out: list[float | None] = []
+    for b in range(n_bins):
+        part = [v for v in values[b * n // n_bins:(b + 1) * n // n_bins] if v is not None and np.isfinite(v)]
+        out.append(float(np.mean(part)) if part else None)
+    return out
+
+
+def which(summary: dict[str, Any]) -> str:
+    """'gated' when any instance passed the gate, else 'all' (figures and tables say which)."""
+    return "gated" if summary["n_included"] else "all"
+
+
+def curves_table(summary: dict[str, Any], sections: Sequence[tuple[str, str]]) -> str:
+    """Terminal table: the gate line, then per section (title, summary key) one line per label."""
+    w = which(summary)
+    g = summary["gate"]
+    lines = [f"instances {summary['n_instances']}, included {summary['n_included']} (gate: oracle flip >= "
+             f"{g['min_flip']} nats); oracle flip median {summary['oracle_flip'].get('median', float('nan')):.3f}; "
+             f"means over {w} instances"]
+    for title, key in sections:
+        lines.append(title)
+        for label, stat in summary[key].items():
+            s = stat[w]
+            cell = "n/a" if not s["n"] or s["mean"] is None else \
+                f"{s['mean']:+.3f} [{s['ci_low']:+.3f}, {s['ci_high']:+.3f}] n={s['n']}"
+            lines.append(f"  {label:<14}{cell}")
+    return "\n".join(lines)
