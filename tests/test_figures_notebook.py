@@ -36,3 +36,24 @@ def test_locality_notebook_runs_on_records(results, tmp_path):
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     assert not any(o.get("output_type") == "error" for o in outputs)
     assert json.dumps(outputs).count("full_downstream") >= 1
+
+
+def _fake_locality(name: str, template: str, field_only: float) -> dict:
+    stat = {"all": {"mean": field_only, "ci_low": field_only, "ci_high": field_only}, "gated": {"mean": None}}
+    return {"model": {"name": name}, "config": {"task": {"template": template}},
+            "summary": {"n_included": 0, "n_instances": 2, "oracle_flip": {"median": 0.1},
+                        "recovery": {s: stat for s in ("stale", "field_only", "full_downstream", "oracle")}}}
+
+
+def test_off_template_records_never_replace_the_main_bar(tmp_path):
+    from kvprobe.figures.common import GATED_TEMPLATE, latest_per_model
+    from kvprobe.figures.locality import fig3a_locality, figC_offtemplate
+
+    main_rec = _fake_locality("m", GATED_TEMPLATE, 0.1)
+    off_rec = _fake_locality("m", "configs/tasks/twohop.yaml", 0.9)
+    assert latest_per_model([main_rec, off_rec], GATED_TEMPLATE)["m"] is main_rec
+    assert latest_per_model([main_rec, off_rec])["m"] is off_rec
+    fig3a_locality([off_rec], tmp_path / "a.png")  # nothing on the main template: no figure, no error
+    assert not (tmp_path / "a.png").exists()
+    figC_offtemplate([main_rec, off_rec], tmp_path / "c.png")
+    assert (tmp_path / "c.png").stat().st_size > 5000

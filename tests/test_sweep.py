@@ -24,6 +24,23 @@ def test_shared_engine_matches_reference(tiny_lm):
     assert (ref[3] - ref[0]).abs().max() > 1e-3
 
 
+def test_shared_engine_across_chunks_and_batch_one_donors(tiny_lm):
+    import pytest
+
+    old = _ids(20, 2)
+    new = old.clone()
+    new[3:5] = _ids(2, 3)
+    base, donor = prefill(tiny_lm, old[:-2]), prefill(tiny_lm, new[:-2])
+    # More cells than one chunk of the shared engine (64): later chunks must read the same donor.
+    cells = [KVPatch.of([i % 18], [i % 4]) for i in range(70)]
+    ref = kv_sweep(tiny_lm, base, donor, cells, old[-2:].tolist(), engine="mix")
+    fast = kv_sweep(tiny_lm, base, donor, cells, old[-2:].tolist(), engine="shared")
+    assert (ref - fast).abs().max() < 1e-4
+    two = prefill(tiny_lm, torch.stack([new[:-2], old[:-2]]))
+    with pytest.raises(ValueError, match="batch-1 base and donor"):
+        kv_sweep(tiny_lm, base, two, cells[:2], old[-2:].tolist())
+
+
 def test_shared_engine_applies_gemma2_softcapping():
     from tests.conftest import as_lm
     from kvprobe.models.tiny import tiny_config

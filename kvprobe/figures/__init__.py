@@ -13,7 +13,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-from kvprobe.figures.locality import fig3a_locality  # noqa: E402
+from kvprobe.figures.locality import fig3a_locality, figC_offtemplate  # noqa: E402
 from kvprobe.figures.specificity import table4_specificity  # noqa: E402
 from kvprobe.figures.suffix import fig3bc_suffix  # noqa: E402
 from kvprobe.figures.transplant import fig6b_transplant  # noqa: E402
@@ -22,6 +22,7 @@ from kvprobe.runner.records import load_records  # noqa: E402
 # figure file stem -> (experiment whose records it reads, drawing function(records, path))
 FIGURES: dict[str, tuple[str, Callable[[list[dict[str, Any]], Path], None]]] = {
     "fig3a_locality": ("locality", fig3a_locality),
+    "figC_offtemplate": ("locality", figC_offtemplate),
     "fig3bc_suffix": ("suffix", fig3bc_suffix),
     "fig6b_transplant": ("transplant", fig6b_transplant),
     "table4_specificity": ("specificity", table4_specificity),
@@ -45,6 +46,8 @@ def render_all(results_dir: str | Path = "results", out_dir: str | Path = "figur
         if not records:
             continue
         path = out / f"{stem}.png"
+        path.unlink(missing_ok=True)  # a figure is a pure function of the records: never keep a stale one
         draw(records, path)
-        written.append(path)
+        if path.exists():  # a figure may find nothing of its kind among the records (e.g. no off-template run)
+            written.append(path)
     return written

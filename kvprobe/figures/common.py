@@ -8,11 +8,24 @@ from typing import Any
 import matplotlib.pyplot as plt
 
 
-def latest_per_model(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The newest record for each model name (records come sorted oldest first)."""
+GATED_TEMPLATE = "configs/tasks/gated.yaml"
+
+
+def task_template(record: dict[str, Any]) -> str:
+    """The task template a record was run on (as written in its config)."""
+    return record["config"]["task"]["template"]
+
+
+def latest_per_model(records: list[dict[str, Any]], template: str | None = None) -> dict[str, dict[str, Any]]:
+    """The newest record for each model name (records come sorted oldest first).
+
+    With ``template`` only records of that task template count, so that an off-template run of the same
+    experiment (e.g. locality on the two-hop task) never replaces the main figure's bar.
+    """
     out: dict[str, dict[str, Any]] = {}
     for rec in records:
-        out[rec["model"]["name"]] = rec
+        if template is None or task_template(rec) == template:
+            out[rec["model"]["name"]] = rec
     return out
 
 

@@ -157,11 +157,9 @@ def _overrides(base: KVState, donor: KVState, cells: Sequence[Any], layer: int):
             idx[i, len(r):] = r[0]
             valid[i, : len(r)] = True
     dk, dv = donor.keys[layer], donor.values[layer]
-    # [N, Hkv, M, D]: row i takes the donor (batch 1, or its own row) at its slots; invalid rows read base.
-    over_k = dk[0][:, idx].permute(1, 0, 2, 3) if dk.shape[0] == 1 else torch.stack(
-        [dk[i][:, idx[i]] for i in range(len(rows))])
-    over_v = dv[0][:, idx].permute(1, 0, 2, 3) if dv.shape[0] == 1 else torch.stack(
-        [dv[i][:, idx[i]] for i in range(len(rows))])
+    # [N, Hkv, M, D]: row i takes the (batch-1) donor at its slots; invalid rows read base.
+    over_k = dk[0][:, idx].permute(1, 0, 2, 3)
+    over_v = dv[0][:, idx].permute(1, 0, 2, 3)
     empty = ~valid.any(dim=1)
     if empty.any():  # rows with no override at this layer: their padded entry is base K/V (inert)
         bk, bv = base.keys[layer][0][:, idx[empty]], base.values[layer][0][:, idx[empty]]
@@ -175,8 +173,8 @@ def shared_kv_sweep(lm: Any, base: KVState, donor: KVState, cells: Sequence[Any]
     """Logits ``[len(cells), vocab]``: the same numbers as the reference sweep, without per-cell caches."""
     from transformers.cache_utils import DynamicCache
 
-    if base.batch != 1:
-        raise ValueError("the shared engine needs a batch-1 base state")
+    if base.batch != 1 or donor.batch != 1:
+        raise ValueError("the shared engine needs batch-1 base and donor states")
     _register()
     model = lm.model
     device = next(model.parameters()).device

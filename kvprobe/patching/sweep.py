@@ -38,6 +38,10 @@ def kv_sweep(lm: Any, base: KVState, donor: KVState, cells: Sequence[KVPatch], s
     """
     if engine not in ("auto", "shared", "mix"):
         raise ValueError(f"engine must be auto, shared or mix; got {engine!r}")
+    if base.batch != 1 or donor.batch != 1:
+        # One base and one donor per sweep: a batch of donors would make each cell a batch of its own.
+        raise ValueError(f"kv_sweep takes batch-1 base and donor states (got batch {base.batch} and "
+                         f"{donor.batch}); sweep each donor separately")
     if engine in ("auto", "shared"):
         from kvprobe.patching.shared_engine import shared_kv_sweep, supports_shared
 
