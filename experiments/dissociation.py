@@ -21,7 +21,7 @@ from kvprobe.patching.pairs import PairPrefill
 from kvprobe.patching.ranking import decode_token
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.runner.probe_common import case_row, polarity_instances, probe_case
-from kvprobe.runner.summary import format_recovery_table, gate_summary, recovery_summary
+from kvprobe.runner.summary import format_recovery_table, gate_summary, headline_stats, recovery_summary
 
 STATES = ("stale", "trigger_only", "notes", "trigger_and_notes", "oracle")
 
@@ -46,4 +46,7 @@ def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 EXPERIMENT = Experiment(name="dissociation", doc=__doc__, run_instance=run_instance, summarize=summarize_rows,
-                        make_instances=polarity_instances, table=lambda s: format_recovery_table(s, STATES))
+                        make_instances=polarity_instances, table=lambda s: format_recovery_table(s, STATES),
+                        headline=lambda s: headline_stats(s, "recovery", {"trigger_only": "trigger-only",
+                                                                        "notes": "notes"}),
+                        paper={"polarity": "trigger-only -0.007 to +0.007 vs notes 0.998-1.009 (Tab. 4 left)"})

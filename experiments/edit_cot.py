@@ -26,7 +26,7 @@ from kvprobe.kv import edit
 from kvprobe.kv.decode import greedy_chain
 from kvprobe.patching.pairs import Anchors
 from kvprobe.runner.edit_summary import (base_row, edit_case, edit_gate_summary, format_methods_table,
-                                         method_entry, methods_summary, read_ld)
+                                         method_entry, methods_headline, methods_summary, read_ld)
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.tasks.edits import answer_prefix_tokens, erratum_body, erratum_line, prompt_ids
 
@@ -130,4 +130,6 @@ def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 EXPERIMENT = Experiment(name="edit_cot", doc=__doc__, params=Params, run_instance=run_instance,
-                        summarize=summarize_rows, table=lambda s: format_methods_table(s, list(s["methods"])))
+                        summarize=summarize_rows, table=lambda s: format_methods_table(s, list(s["methods"])),
+                        headline=lambda s: methods_headline(s),
+                        paper={"gated": "in_place: 1.00 with CoT, 0.00 without; the erratum fixes both (Fig. 2c)"})

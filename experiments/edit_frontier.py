@@ -32,7 +32,7 @@ from kvprobe.kv.readout import prefill
 from kvprobe.patching.pairs import measure
 from kvprobe.patching.ranking import rank_downstream
 from kvprobe.runner.edit_summary import (base_row, edit_case, edit_gate_summary, format_methods_table,
-                                         method_entry, methods_summary, read_ld)
+                                         method_entry, methods_headline, methods_summary, read_ld)
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.tasks.edits import erratum_body, erratum_line, hoisted_body, prompt_ids
 
@@ -126,4 +126,9 @@ def table(summary: dict[str, Any]) -> str:
 
 
 EXPERIMENT = Experiment(name="edit_frontier", doc=__doc__, params=Params, run_instance=run_instance,
-                        summarize=summarize_rows, table=table)
+                        summarize=summarize_rows, table=table,
+                        headline=lambda s: methods_headline(s, [n for n in s["methods"] if not n.startswith("selective@")])
+                        + f"; K* (selective@K recovery >= 0.9) {s['k_star']}",
+                        paper={"gated": "P(correct) @recompute, Qwen3-8B (Tab. 6): full reprefill 1.00 @100%, "
+                                        "hoist-to-end 1.00 @5.2% (surgery), field+erratum 1.00 @12.6%, erratum 1.00 "
+                                        "@12.0%, CacheBlend@15% 0.13 @14.5%, in_place 0.00 @0.6%, stale 0.00 @0%"})

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from kvprobe.kv import edit
 from kvprobe.kv.readout import prefill
 from kvprobe.runner.edit_summary import (base_row, edit_case, edit_gate_summary, format_methods_table,
-                                         method_entry, methods_summary, read_ld)
+                                         method_entry, methods_headline, methods_summary, read_ld)
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.tasks.edits import WORDINGS, erratum_body, erratum_line, prompt_ids
 
@@ -83,4 +83,7 @@ def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 EXPERIMENT = Experiment(name="edit_wording", doc=__doc__, params=Params, run_instance=run_instance,
-                        summarize=summarize_rows, table=lambda s: format_methods_table(s, list(s["methods"])))
+                        summarize=summarize_rows, table=lambda s: format_methods_table(s, list(s["methods"])),
+                        headline=lambda s: methods_headline(s),
+                        paper={"gated": "P(safe): bare value, tagged update, explicit override ~1.0; aggressive "
+                                        "0.81 (Fig. 3d)"})

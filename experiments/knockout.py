@@ -28,7 +28,7 @@ from kvprobe.patching.sweep import KVPatch
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.runner.probe_common import (case_row, curve_summary, curves_table, ld_from_recovery, probe_case,
                                          same_decision)
-from kvprobe.runner.summary import gate_summary
+from kvprobe.runner.summary import gate_summary, headline_stats
 
 CURVES = ("knockout_top", "knockout_random", "knockout_band", "reverts_top")
 
@@ -86,4 +86,8 @@ def table(s: dict[str, Any]) -> str:
 
 
 EXPERIMENT = Experiment(name="knockout", doc=__doc__, params=Params, run_instance=run_instance,
-                        summarize=summarize_rows, table=table)
+                        summarize=summarize_rows, table=table,
+                        headline=lambda s: "return to stale, " + headline_stats(s, "knockout_top", {"1": "top-1", "8": "top-8"})
+                        + "; random: " + headline_stats(s, "knockout_random", {"8": "rand-8"}),
+                        paper={"gated": "ablating the top-effect tokens returns the decision to stale; the effect "
+                                        "grows with their number (Sec. 3 (4), no table)"})

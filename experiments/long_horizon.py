@@ -29,6 +29,7 @@ from kvprobe.kv.edit import recompute_slots
 from kvprobe.kv.readout import prefill, read_logits
 from kvprobe.metrics import logit_cosine, logit_diff
 from kvprobe.runner.edit_summary import base_row, edit_case, edit_gate_summary
+from kvprobe.runner.summary import ci_cell
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.stats.bootstrap import summarize
 from kvprobe.tasks.edits import decision_char, erratum_body, erratum_line, prompt_ids, prompt_text, split_prompt_at
@@ -142,5 +143,19 @@ def table(s: dict[str, Any]) -> str:
         f"canonical tokenization {s['canonical_tokenization']:.2f}"])
 
 
+def headline(s: dict[str, Any]) -> str:
+    a = s["agreement_slope_per_turn"]
+
+    def num(x: float | None) -> str:  # a CI over one instance is undefined (stored as null)
+        return "n/a" if x is None or x != x else f"{x:+.4f}"
+
+    return (f"{s['turns']} turns ({s['scheme']}): agreement {ci_cell(s['agreement'])}, cosine {ci_cell(s['cosine'], 3)} "
+            f"(first third {s['cosine_first_third']:.3f} -> last {s['cosine_last_third']:.3f}); agreement slope "
+            f"{num(a['slope'])}/turn [{num(a['ci_low'])}, {num(a['ci_high'])}]; reprefill accuracy "
+            f"{s['reference_accuracy']:.2f}")
+
+
 EXPERIMENT = Experiment(name="long_horizon", doc=__doc__, params=Params, run_instance=run_instance,
-                        summarize=summarize_rows, table=table)
+                        summarize=summarize_rows, table=table, headline=headline,
+                        paper={"gated": "28 turns: cosine 0.987-0.999, flat (Llama 0.992 -> 0.996); agreement "
+                                        "0.79-0.99; slope within +-0.01/turn (Fig. 23)"})

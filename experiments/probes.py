@@ -72,5 +72,24 @@ def table(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def headline(s: dict[str, Any]) -> str:
+    """Best held-out accuracy over layers (and where), per position and label; chance is 0.5."""
+    cells = []
+    for pos, labels in s["probes"].items():
+        parts = []
+        for label in ("conclusion", "field"):
+            accs = labels[label]["acc"]
+            layers = [layer for layer, a in enumerate(accs) if a is not None]  # None: label constant there
+            if not layers:
+                parts.append(f"{label} n/a")
+                continue
+            best = max(layers, key=lambda layer: accs[layer])  # the shallowest layer among ties
+            parts.append(f"{label} {accs[best]:.2f} (L{best})")
+        cells.append(f"{pos}: " + ", ".join(parts))
+    return "best layer accuracy, " + "; ".join(cells) + f" (fit on {s['fit_on']}, chance 0.5)"
+
+
 EXPERIMENT = Experiment(name="probes", doc=__doc__, params=Params, run_instance=run_instance,
-                        summarize=summarize_rows, make_instances=polarity_instances, table=table)
+                        summarize=summarize_rows, make_instances=polarity_instances, table=table, headline=headline,
+                        paper={"polarity": "conclusion and field both linearly decodable from the downstream "
+                                           "aggregator (Sec. 3 (3), App. C (i))"})

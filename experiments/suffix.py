@@ -28,8 +28,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvprobe.patching.ranking import count_grid, describe_positions, layer_bands, rank_downstream, sweep_recovery
 from kvprobe.patching.sweep import KVPatch
 from kvprobe.runner.experiment import Context, Experiment
-from kvprobe.runner.probe_common import binned_profile, case_row, curve_summary, curves_table, probe_case, which
-from kvprobe.runner.summary import gate_summary, recovery_summary
+from kvprobe.runner.probe_common import binned_profile, case_row, curve_summary, curves_table, probe_case
+from kvprobe.runner.summary import gate_summary, headline_stats, recovery_summary, which
 from kvprobe.stats.bootstrap import summarize
 
 
@@ -94,5 +94,14 @@ def table(s: dict[str, Any]) -> str:
     return f"{text}\nlayer bands (all downstream positions there): {bands}\ntop tokens: {tokens}"
 
 
+def headline(s: dict[str, Any]) -> str:
+    top = max(s["per_layer"], key=lambda layer: s["per_layer"][layer][which(s)]["mean"] or 0.0)
+    tokens = ", ".join(repr(tok) for tok, _ in s["most_frequent_top_tokens"][:3])
+    return (headline_stats(s, "cumulative", {"1": "top-1", "8": "top-8", "all": "all downstream"})
+            + f"; strongest single layer {top}; commonest top tokens {tokens}")
+
+
 EXPERIMENT = Experiment(name="suffix", doc=__doc__, params=Params, run_instance=run_instance,
-                        summarize=summarize_rows, table=table)
+                        summarize=summarize_rows, table=table, headline=headline,
+                        paper={"gated": "a few aggregator/delimiter positions carry the decision; top-8 recover "
+                                        "0.74-0.79 (Tab. 4)"})

@@ -25,7 +25,7 @@ from kvprobe.patching.sweep import KVPatch
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.runner.probe_common import (case_row, curve_summary, curves_table, ld_from_recovery, probe_case,
                                          same_decision)
-from kvprobe.runner.summary import gate_summary
+from kvprobe.runner.summary import gate_summary, headline_stats
 
 
 class Params(BaseModel):
@@ -61,4 +61,7 @@ def table(s: dict[str, Any]) -> str:
 
 
 EXPERIMENT = Experiment(name="writability", doc=__doc__, params=Params, run_instance=run_instance,
-                        summarize=summarize_rows, table=table)
+                        summarize=summarize_rows, table=table,
+                        headline=lambda s: headline_stats(s, "inject", {"8": "top-8", "all": "all notes"})
+                        + "; follow rate: " + headline_stats(s, "follows", {"all": "all notes"}),
+                        paper={"gated": "injection 0.98-1.02, follow rate 1.0 (App. C (iv))"})

@@ -24,6 +24,30 @@ def test_run_locality_end_to_end_then_refuse_then_overwrite(tiny_text_dir, tmp_p
     assert main(args) == 2
     assert "already exists" in capsys.readouterr().err
     assert main(args + ["--overwrite"]) == 0
+    capsys.readouterr()
+    assert main(["report", "--results", str(tmp_path)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert len(table) == 3 and table[2].startswith("| locality | gated | ") and "full-downstream 1.00" in table[2]
+
+
+def test_report_without_records_is_one_clear_error(tmp_path, capsys):
+    assert main(["report", "--results", str(tmp_path)]) == 2
+    assert "no records" in capsys.readouterr().err
+
+
+def test_every_config_has_a_headline_and_the_papers_value():
+    """The README's results table is `kvprobe report`: each experiment says what to report and what the
+    paper measured for the task its configs run."""
+    from pathlib import Path
+
+    from kvprobe.runner.config import load_config
+    from kvprobe.runner.experiment import get_experiment
+
+    for path in sorted(Path("configs").glob("*.yaml")):
+        cfg = load_config(path)
+        exp = get_experiment(cfg.experiment)
+        assert exp.headline is not None, path
+        assert exp.paper.get(Path(cfg.task.template).stem), f"{path}: no paper value for its task template"
 
 
 def test_same_config_same_numbers(tiny_text_dir, tmp_path):

@@ -53,3 +53,7 @@ def test_transplant_cli_end_to_end(tiny_text_dir, tmp_path):
     rec = json.loads(next(tmp_path.glob("transplant/*/*.json")).read_text())
     assert rec["summary"]["gate"]["passed"] and {"seam0", "seam2", "no_rotation", "blocks2"} <= set(
         rec["summary"]["variants"])
+    from kvprobe.runner.report import report_rows
+
+    (row,) = report_rows(tmp_path)
+    assert row[:4] == ["transplant", "gated", rec["model"]["name"], "- / 2"] and "no_rotation cos" in row[5]

@@ -13,6 +13,7 @@ from kvprobe.kv.state import KVState
 from kvprobe.models.loading import load_model
 from kvprobe.patching.pairs import prefill_pair
 from kvprobe.runner.cli import main
+from kvprobe.runner.report import report_rows
 from kvprobe.tasks.edits import WORDINGS, answer_prefix_tokens, erratum_body, erratum_line, hoisted_body, prompt_ids
 from kvprobe.tasks.gated import generate_instances, tokenize_pair
 
@@ -206,3 +207,13 @@ def test_edit_figures_render(records, tmp_path):
     names = {p.name for p in render_all(out, tmp_path)}
     assert {"fig16_edit_frontier.png", "fig17_selective_k.png", "fig3d_edit_wording.png", "fig2c_edit_cot.png",
             "fig23_long_horizon.png"} <= names
+
+
+def test_edit_report_rows(records):
+    out, _ = records
+    rows = report_rows(out)
+    assert sorted(r[0] for r in rows) == sorted(RUNS)  # the two long_horizon schemes: newest record only
+    for row in rows:
+        assert row[5].strip() and row[6].strip(), row
+    frontier = next(r for r in rows if r[0] == "edit_frontier")
+    assert "full_reprefill " in frontier[5] and "@100.0%" in frontier[5] and "@0.0%" in frontier[5]

@@ -25,6 +25,7 @@ from kvprobe.runner.config import load_config, validate_params
 from kvprobe.runner.experiment import Context, get_experiment
 from kvprobe.runner.probe_common import binned_profile, curve_summary
 from kvprobe.runner.records import load_records
+from kvprobe.runner.report import report_rows
 from kvprobe.stats.probe import first_layer_at, group_cv_accuracy
 from kvprobe.tasks.gated import generate_instances, load_template, tokenize_pair
 from kvprobe.tasks.polarity import generate_polarity_instances, prompt_labels
@@ -259,6 +260,8 @@ def test_cli_and_figure(name, extra, probe_text_dir, tmp_path):
         assert "all" in s["cumulative"] and len(s["position_profile"]) == 20 and s["most_frequent_top_tokens"]
     paths = [p.name for p in render_all(tmp_path, tmp_path / "figs")]
     assert FIGURE_OF[name] in paths
+    (line,) = report_rows(tmp_path)
+    assert line[0] == name and line[3] == f"{s['n_included']} / 2" and line[5] and line[6], line
 
 
 def test_off_template_locality_and_figure(probe_text_dir, tmp_path):

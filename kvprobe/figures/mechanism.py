@@ -13,10 +13,7 @@ from typing import Any
 import matplotlib.pyplot as plt
 
 from kvprobe.figures.common import bar_with_ci, latest_per_model, save
-
-
-def which(summary: dict[str, Any]) -> str:
-    return "gated" if summary.get("n_included") else "all"
+from kvprobe.runner.summary import which
 
 
 def tag(name: str, summary: dict[str, Any]) -> str:

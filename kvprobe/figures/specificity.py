@@ -8,7 +8,8 @@ from typing import Any
 import matplotlib.pyplot as plt
 
 from kvprobe.figures.common import latest_per_model, save
-from kvprobe.figures.mechanism import grouped_bars, which
+from kvprobe.figures.mechanism import grouped_bars
+from kvprobe.runner.summary import which
 
 
 def table4_specificity(records: list[dict[str, Any]], path: Path) -> None:

@@ -50,6 +50,16 @@ def _cmd_figures(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from kvprobe.runner.report import markdown_table, report_rows
+
+    rows = report_rows(args.results, args.experiment)
+    if not rows:
+        raise KVProbeError(f"no records under {args.results}/ (run an experiment first: make exp-locality)")
+    print(markdown_table(rows))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvprobe", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -72,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     figs.add_argument("--results", default="results")
     figs.add_argument("--out", default="figures")
     figs.set_defaults(func=_cmd_figures)
+
+    report = sub.add_parser("report", help="markdown results table: headline numbers of the newest records")
+    report.add_argument("--results", default="results")
+    report.add_argument("--experiment", action="append", help="only this experiment (repeatable)")
+    report.set_defaults(func=_cmd_report)
 
     from kvprobe.runner import extra_commands
 

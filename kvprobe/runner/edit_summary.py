@@ -16,7 +16,7 @@ from kvprobe.kv.edit import FieldEdit
 from kvprobe.kv.readout import read_logits
 from kvprobe.metrics import logit_diff
 from kvprobe.patching.pairs import Anchors, PairPrefill, measure, prefill_pair
-from kvprobe.runner.summary import gate_summary
+from kvprobe.runner.summary import ci_cell, gate_summary, which
 from kvprobe.stats.bootstrap import summarize
 from kvprobe.tasks.gated import TokenizedPair, tokenize_pair
 
@@ -101,25 +101,32 @@ def edit_gate_summary(ctx: Any, rows: Sequence[dict[str, Any]]) -> dict[str, Any
     return out
 
 
-def _cell(stat: dict[str, Any]) -> str:
-    if not stat or stat.get("n", 0) == 0 or stat.get("mean") is None:
-        return "n/a"
-    return f"{stat['mean']:.2f} [{stat['ci_low']:.2f}, {stat['ci_high']:.2f}]"
+def methods_headline(summary: dict[str, Any], names: Sequence[str] | None = None) -> str:
+    """``method P(correct) [CI] @ recompute%; ...`` over gated instances (else all, and it says so)."""
+    w = which(summary)
+    cells = []
+    for name in names or list(summary["methods"]):
+        b = summary["methods"].get(name)
+        if b is None or not b["p_correct"][w].get("n"):
+            continue
+        frac = b.get("recompute_fraction")
+        cells.append(f"{name} {ci_cell(b['p_correct'][w])}" + ("" if frac is None else f" @{100 * frac:.1f}%"))
+    return "P(correct): " + "; ".join(cells) + ("" if w == "gated" else " (all instances: none gated)")
 
 
 def format_methods_table(summary: dict[str, Any], names: Sequence[str], key: str = "methods") -> str:
-    which = "gated" if summary["n_included"] else "all"
+    over = which(summary)
     g = summary["gate"]
     w = max([len(n) for n in names] + [20]) + 2
     lines = [f"instances {summary['n_instances']}, included {summary['n_included']} (gate: oracle flip >= "
              f"{g['min_flip']} nats); oracle flip median {summary['oracle_flip'].get('median', float('nan')):.3f}; "
-             f"columns over {which} instances",
+             f"columns over {over} instances",
              f"{'method':<{w}}{'P(correct)':<22}{'recovery':<24}{'recompute':>10}  surgery  vs-reprefill"]
     for name in names:
         b = summary[key][name]
         frac = b.get("recompute_fraction")
         agree = b.get("agreement_with_reference")
-        lines.append(f"{name:<{w}}{_cell(b['p_correct'][which]):<22}{_cell(b['recovery'][which]):<24}"
+        lines.append(f"{name:<{w}}{ci_cell(b['p_correct'][over]):<22}{ci_cell(b['recovery'][over]):<24}"
                      f"{'' if frac is None else f'{100 * frac:.1f}%':>10}  "
                      f"{'yes' if b.get('needs_prompt_surgery') else 'no':<8} "
                      f"{'' if agree is None else f'{agree:.2f}'}")

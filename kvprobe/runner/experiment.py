@@ -48,6 +48,10 @@ class Experiment:
     make_instances: Callable[[Context], list[Any]] | None = None  # default: gated instances from cfg.task
     setup: Callable[[Context], None] | None = None
     table: Callable[[dict[str, Any]], str] | None = None  # short text table of a summary for the terminal
+    # One line of the results table (`kvprobe report`): the summary's headline numbers, and the paper's
+    # values to set beside them, keyed by task template stem ("gated", "polarity", "twohop", ...).
+    headline: Callable[[dict[str, Any]], str] | None = None
+    paper: dict[str, str] = field(default_factory=dict)
 
 
 def available_experiments() -> dict[str, str]:

@@ -22,7 +22,7 @@ from kvprobe.kv.state import KVState
 from kvprobe.patching.pairs import Anchors, PairPrefill, measure, prefill_pair
 from kvprobe.patching.ranking import decode_token, rank_downstream
 from kvprobe.patching.residuals import resid_stack
-from kvprobe.runner.summary import recovery_summary
+from kvprobe.runner.summary import recovery_summary, which
 from kvprobe.stats.probe import group_cv_accuracy
 from kvprobe.tasks.gated import TokenizedPair, load_template, tokenize_pair
 
@@ -179,11 +179,6 @@ def binned_profile(values: Sequence[float | None], n_bins: int) -> list[float | 
         part = [v for v in values[b * n // n_bins:(b + 1) * n // n_bins] if v is not None and np.isfinite(v)]
         out.append(float(np.mean(part)) if part else None)
     return out
-
-
-def which(summary: dict[str, Any]) -> str:
-    """'gated' when any instance passed the gate, else 'all' (figures and tables say which)."""
-    return "gated" if summary["n_included"] else "all"
 
 
 def curves_table(summary: dict[str, Any], sections: Sequence[tuple[str, str]]) -> str:

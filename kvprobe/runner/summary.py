@@ -8,6 +8,27 @@ from typing import Any
 from kvprobe.stats.bootstrap import quantiles, summarize
 
 
+def which(summary: dict[str, Any]) -> str:
+    """'gated' when any instance passed the gate, else 'all' (figures and tables say which)."""
+    return "gated" if summary.get("n_included") else "all"
+
+
+def ci_cell(stat: dict[str, Any] | None, digits: int = 2, signed: bool = False) -> str:
+    """``mean [ci_low, ci_high]`` of a bootstrap summary, or ``n/a`` when it holds no instance."""
+    if not stat or not stat.get("n") or stat.get("mean") is None:
+        return "n/a"
+    f = f"{{:{'+' if signed else ''}.{digits}f}}"
+    return f"{f.format(stat['mean'])} [{f.format(stat['ci_low'])}, {f.format(stat['ci_high'])}]"
+
+
+def headline_stats(summary: dict[str, Any], key: str, labels: dict[str, str], digits: int = 2) -> str:
+    """``label mean [lo, hi]; ...`` for entries of ``summary[key]`` (each a gated/all pair), over the gated
+    instances when any passed the gate, else over all of them (then the line says so)."""
+    w = which(summary)
+    cells = [f"{label} {ci_cell(summary[key][k][w], digits)}" for k, label in labels.items() if k in summary[key]]
+    return "; ".join(cells) + ("" if w == "gated" else " (all instances: none gated)")
+
+
 def gate_summary(rows: Sequence[dict[str, Any]], gate: Any) -> dict[str, Any]:
     flips = [r["flip"] for r in rows]
     included = [r for r in rows if r["included"]]
