@@ -1,5 +1,7 @@
 """Re-rotated KV equals an offset prefill on every family and RoPE variant; inexact variants are refused."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 import transformers as tf
@@ -30,6 +32,30 @@ def _rel(a, b):
     return float((a.double() - b.double()).abs().max() / b.double().abs().max())
 
 
+# MLA: 16-dim latent + 8-dim decoupled k_pe; one dense and one MoE layer
+MLA = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+           num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+           qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+           first_k_dense_replace=1, max_position_embeddings=200_000, n_group=1, topk_group=1)
+# M-RoPE text towers (head_dim 16: 8 frequencies split over temporal/height/width) with a one-block vision tower
+VL_TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, max_position_embeddings=200_000)
+
+
+def _vl_model(kind):
+    if kind == "sectioned":
+        cfg = tf.Qwen2VLConfig(text_config=dict(VL_TEXT, rope_parameters={
+            "rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]}),
+            vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2))
+    else:
+        cfg = tf.Qwen3VLConfig(text_config=dict(VL_TEXT, rope_parameters={
+            "rope_type": "default", "rope_theta": 1e4, "mrope_section": [4, 2, 2], "mrope_interleaved": True}),
+            vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                               deepstack_visual_indexes=[0]))
+    torch.manual_seed(0)
+    return tf.AutoModelForImageTextToText.from_config(cfg).eval()
+
+
 _SHORT = [1.0 + 0.05 * i for i in range(8)]
 _LONG = [1.5 + 0.5 * i for i in range(8)]
 VARIANTS = {
@@ -48,6 +74,13 @@ VARIANTS = {
                                            eos_token_id=2),
     "interleaved partial (glm)": lambda: _model(tf.GlmConfig, **SMALL, pad_token_id=0, eos_token_id=2),
     "no-rope layers (smollm3)": lambda: _model(tf.SmolLM3Config, **SMALL, pad_token_id=0, no_rope_layers=[1, 0]),
+    "M-RoPE sectioned (qwen2-vl)": lambda: _vl_model("sectioned"),
+    "M-RoPE interleaved (qwen3-vl)": lambda: _vl_model("interleaved"),
+    "MLA k_pe (deepseek-v2)": lambda: _model(tf.DeepseekV2Config, **MLA),
+    "MLA k_pe (deepseek-v3, rope_interleave)": lambda: _model(tf.DeepseekV3Config, **MLA, rope_interleave=True),
+    "MLA k_pe (deepseek-v3, yarn)": lambda: _model(tf.DeepseekV3Config, **MLA, rope_interleave=False, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 1024,
+        "mscale": 1.0, "mscale_all_dim": 1.0}),
 }
 
 
@@ -80,15 +113,51 @@ def test_gate_passes_on_every_family(tiny_lm):
 def test_gate_passes_on_rope_variants(name):
     model = VARIANTS[name]()
     infos = rope_layer_info(model)
-    head_dim = model.config.hidden_size // model.config.num_attention_heads
     if name.startswith("partial"):
+        head_dim = model.config.hidden_size // model.config.num_attention_heads
         assert infos[0].rotary_dim == int(head_dim * model.config.rope_parameters["partial_rotary_factor"])
     if name.startswith("interleaved"):
         assert infos[0].layout == "interleaved"
     if name.startswith("no-rope"):
         assert [i.layout for i in infos] == ["half", "none"]
+    if name.startswith("MLA"):  # only k_pe (the value slot) moves; the latent (key slot) is shared, not copied
+        assert {i.rotated_slot for i in infos} == {"values"} and infos[0].rotary_dim == 8
+        state = prefill(model, _ids(6))
+        moved = shift(state, 40, model)
+        assert all(a is b for a, b in zip(moved.keys, state.keys))
+        assert _rel(moved.values[0], state.values[0]) > 0.1
+        other = "half" if infos[0].layout == "interleaved" else "interleaved"  # the layout matters
+        wrong = rerotate(state, torch.arange(40, 46), [replace(i, layout=other) for i in infos])
+        assert _rel(wrong.values[0], prefill(model, _ids(6), positions=torch.arange(40, 46)).values[0]) > 1e-2
     offsets = (0, 17, 900) if name.startswith("longrope") else (0, 17, 3000, 100_000)
     _assert_gate(model, offsets)
+
+
+@pytest.mark.parametrize("kind,components", [("sectioned", (0, 0, 1, 1, 1, 2, 2, 2)),
+                                             ("interleaved", (0, 1, 2, 0, 1, 2, 0, 0))])
+def test_mrope_moves_the_temporal_component_alone(kind, components):
+    """An image-like chunk (height/width offsets of its own) moved along time only equals the model's own
+    keys at the moved (t, h, w) positions; rotating every channel by the time shift does not."""
+    from transformers.cache_utils import DynamicCache
+
+    model = _vl_model(kind)
+    info = rope_layer_info(model)[0]
+    assert info.mrope == kind and info.mrope_components == components
+    ids, base = _ids(10, seed=1)[None], torch.arange(10)
+
+    def layer0_keys(pos3):
+        cache = DynamicCache()
+        with torch.no_grad():
+            model(input_ids=ids, position_ids=pos3[:, None, :], cache=cache, use_cache=True)
+        return cache.layers[0].keys
+
+    src = torch.stack([base, base + 3, base + 5])
+    dst = torch.stack([base + 700, base + 3, base + 5])
+    ref = layer0_keys(dst)
+    assert _rel(rotate_keys(layer0_keys(src), src, dst, info), ref) <= ROT_TOL
+    assert _rel(rotate_keys(layer0_keys(src), base, base + 700, info), ref) > 0.1
+    with pytest.raises(KVProbeError, match="for M-RoPE models"):
+        rotate_keys(ref, src, dst, rope_layer_info(VARIANTS["linear"]())[0])
 
 
 def test_yarn_attention_scaling_is_carried_once():
@@ -181,13 +250,13 @@ def test_inexact_and_unsupported_variants_are_refused():
     odd.model.rotary_emb.rope_type = "made_up"
     with pytest.raises(KVProbeError, match="rope_type 'made_up'"):
         rope_layer_info(odd)
-    with pytest.raises(KVProbeError, match="M-RoPE sectioned"):
-        rope_layer_info(tf.Qwen2VLTextConfig(rope_parameters={"rope_type": "default", "rope_theta": 1e6,
-                                                                "mrope_section": [2, 3, 3]}))
-    with pytest.raises(KVProbeError, match="M-RoPE interleaved"):
-        rope_layer_info(tf.Qwen3VLTextConfig())
-    with pytest.raises(KVProbeError, match="MLA"):
-        rope_layer_info(tf.DeepseekV2Config())
+    vl = _vl_model("sectioned")
+    rot = vl.model.language_model.rotary_emb
+    rot.__class__ = type("UnverifiedRotaryEmbedding", (type(rot),), {})  # an M-RoPE whose channel map is unknown
+    with pytest.raises(KVProbeError, match="M-RoPE in UnverifiedRotaryEmbedding"):
+        rope_layer_info(vl)
+    with pytest.raises(KVProbeError, match="MLA cache whose k_pe layout"):
+        rope_layer_info(tf.Glm4MoeLiteConfig())  # MLA too, but its k_pe layout is not verified here
     with pytest.raises(KVProbeError, match="GPT-J"):
         rope_layer_info(tf.GPTJConfig())
 

@@ -6,7 +6,7 @@ it in; DESIGN.md core idea 3 requires that this equal an offset prefill to float
 gate before any compose run. Per offset it reports:
 
 - ``key_rel_layer0``: layer-0 keys depend only on the token embedding and RoPE, so this isolates the
-  rotation itself. It is held to the rotation tolerance ``key_tol`` (fp32: 1e-5 relative).
+  rotation itself (for MLA, "keys" here and below are the rotated k_pe; the latent is position-free). It is held to the rotation tolerance ``key_tol`` (fp32: 1e-5 relative).
 - ``key_rel_all`` (max over layers) and ``logit_rel`` (next-token logits after each prefix of a short
   random suffix, read over both states at the same positions). Deeper layers also carry the reference's
   own float32 position noise: transformers computes RoPE angles as ``float32(p) * inv_freq``, whose
@@ -28,7 +28,7 @@ import torch
 
 from kvprobe.errors import KVProbeError
 from kvprobe.kv.readout import prefill, read_logits
-from kvprobe.kv.rope import rerotate, rope_layer_info
+from kvprobe.kv.rope import rerotate, rope_layer_info, rotated_vectors
 
 LARGE_OFFSET = 32768
 DEFAULT_OFFSETS = (0, 17, 500, 3000, LARGE_OFFSET)
@@ -94,7 +94,8 @@ def run_gate(lm_or_model: Any, chunk_len: int = 64, offsets: Sequence[int] = DEF
             rows.append({"offset": off, "refused": str(exc), "passed": True})
             continue
         ref = prefill(model, ids, positions=target)
-        key_errs = [_rel(a, b) for a, b in zip(moved.keys, ref.keys)]
+        ref_rot = rotated_vectors(ref, infos)  # keys, or MLA's k_pe
+        key_errs = [_rel(a, b) for a, b in zip(rotated_vectors(moved, infos), ref_rot)]
         logit_rel, control_logit_rel = 0.0, 0.0
         for j in range(1, suffix_len + 1):  # logits after each prefix of the suffix, all states at once
             lg = read_logits(model, [moved, ref, unrotated], suffix[:j],
@@ -108,7 +109,7 @@ def run_gate(lm_or_model: Any, chunk_len: int = 64, offsets: Sequence[int] = DEF
             "key_rel_all": max(key_errs),
             "key_rel_by_layer": key_errs,
             "logit_rel": logit_rel,
-            "no_rotation_key_rel": _rel(unrotated.keys[0], ref.keys[0]),
+            "no_rotation_key_rel": _rel(rotated_vectors(unrotated, infos)[0], ref_rot[0]),
             "no_rotation_logit_rel": control_logit_rel,
             "deep_tol": deep_allowed,
         }

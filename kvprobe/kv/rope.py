@@ -19,11 +19,19 @@ How exactness is obtained:
   cos/sin in float64, so the result is the key the model itself would have produced at ``q`` up to float32
   rounding of one rotation, at any offset below 2**24.
 - Only the first ``rotary_dim`` channels move (partial rotary); the rest pass through untouched.
+- M-RoPE (Qwen2-VL sectioned, Qwen3-VL interleaved; paper Section 8, Figure 22b): each frequency rotates
+  by one of three position components (temporal, height, width). :func:`rotate_keys` takes ``[3, slots]``
+  positions for these models, so an image chunk can move along the temporal component only; a
+  :class:`KVState` holds one position per slot, which is exact for text tokens (all three components equal).
+- MLA (DeepSeek-V2/V3, paper Section 8 "Adapter", Figure 22a): transformers caches the position-free
+  compressed latent in a layer's key slot and the decoupled, already-rotated ``k_pe`` sub-vector in its
+  value slot. Only ``k_pe`` is re-rotated (complex adjacent pairs on V2, rotate-half on V3); the latent is
+  copied.
 
 Refused with :class:`~kvprobe.errors.KVProbeError`, never rotated approximately: dynamic NTK (its
 frequencies depend on the longest sequence seen, so no fixed rotation is exact past the base length),
-unknown rope types, M-RoPE (Qwen2-VL sectioned, Qwen3-VL interleaved), MLA's decoupled k_pe
-(DeepSeek-V2/V3), longrope moves across its short/long switch, and rotary layouts not verified here
+unknown rope types, M-RoPE implementations other than Qwen2/2.5-VL's and Qwen3-VL's, MLA variants other
+than DeepSeek-V2/V3's, longrope moves across its short/long switch, and rotary layouts not verified here
 (GPT-J/Llama 4 style pairs, ...).
 
 Longrope switches between its short and long factors on the longest position of the forward call
@@ -39,7 +47,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -61,7 +69,12 @@ _REFUSED_MODEL_TYPES = {
     "ernie4_5_moe": "ERNIE 4.5 rotates interleaved channel pairs; that layout is not verified here",
     "cohere2_moe": "Cohere2-MoE's rotary layout is not verified here",
 }
+# MLA models: the rotary layout of the k_pe their cache holds (V2: complex pairs; V3 de-interleaves first)
+MLA_LAYOUTS = {"deepseek_v2": "interleaved", "deepseek_v3": "half"}
 _MROPE_MODEL_TYPE = re.compile(r"(^|_)vl($|_)|qwen2_vl|qwen2_5_vl|qwen3_vl|qwen3_omni|glm4v")
+# M-RoPE rotary classes whose frequency -> (t, h, w) component map is implemented here
+MROPE_CLASSES = {"Qwen2VLRotaryEmbedding": "sectioned", "Qwen2_5_VLRotaryEmbedding": "sectioned",
+                 "Qwen3VLTextRotaryEmbedding": "interleaved"}
 _MAX_EXACT_POSITION = 2 ** 24  # float32 represents every integer position below this
 
 
@@ -74,7 +87,8 @@ class RopeLayerInfo:
     cached key already holds it once, so re-rotation never applies it. ``layout`` is ``"half"`` (HF
     rotate-half: channel ``i`` pairs with ``i + rotary_dim/2``), ``"interleaved"`` (``2i`` with ``2i+1``) or
     ``"none"`` (a layer without RoPE: keys are position-free). Longrope layers also carry the long-factor
-    frequencies and the base length that selects between them.
+    frequencies and the base length that selects between them. ``rotated_slot`` names the cache slot that
+    holds the rotated vectors: ``"keys"``, or ``"values"`` for MLA (the value slot holds ``k_pe``).
     """
 
     rope_type: str
@@ -84,6 +98,9 @@ class RopeLayerInfo:
     long_inv_freq: torch.Tensor | None = None
     original_max_position: int | None = None
     layer_type: str | None = None
+    rotated_slot: str = "keys"
+    mrope: str | None = None  # "sectioned" | "interleaved" (M-RoPE), None otherwise
+    mrope_components: tuple[int, ...] | None = None  # per frequency: 0 temporal, 1 height, 2 width
 
     @property
     def rotary_dim(self) -> int:
@@ -111,7 +128,10 @@ class RopeLayerInfo:
 
     def describe(self) -> str:
         extra = f", x{self.attention_scaling:.4g} in cos/sin" if self.attention_scaling != 1.0 else ""
-        return f"{self.rope_type} ({self.layout}, rotary_dim {self.rotary_dim}{extra})"
+        slot = ", MLA: k_pe in the value slot, latent copied" if self.rotated_slot == "values" else ""
+        if self.mrope:
+            slot += f", M-RoPE {self.mrope} t/h/w {[self.mrope_components.count(c) for c in range(3)]}"
+        return f"{self.rope_type} ({self.layout}, rotary_dim {self.rotary_dim}{extra}{slot})"
 
 
 # -- reading the model's own rotary embedding --------------------------------------------------------------
@@ -158,19 +178,42 @@ def _rotary_from_config(cfg: Any) -> torch.nn.Module:
 
 def _refuse_unsupported(cfg: Any) -> None:
     model_type = str(getattr(cfg, "model_type", ""))
-    if getattr(cfg, "kv_lora_rank", None) is not None or getattr(cfg, "qk_rope_head_dim", None) is not None:
-        raise KVProbeError(f"{model_type}: MLA (DeepSeek-V2-style decoupled k_pe) re-rotation is not implemented; "
-                           "refusing rather than rotating the latent cache wrongly")
-    params = getattr(cfg, "rope_parameters", None) or {}
-    flat = [params] + [v for v in params.values() if isinstance(v, dict)]
-    if any("mrope_section" in p or p.get("mrope_interleaved") or "mrope" in str(p.get("rope_type", "")) for p in flat) \
-            or _MROPE_MODEL_TYPE.search(model_type):
-        variant = "interleaved (Qwen3-VL)" if any(p.get("mrope_interleaved") for p in flat) or "qwen3" in model_type \
-            else "sectioned (Qwen2-VL)"
-        raise KVProbeError(f"{model_type}: M-RoPE {variant} re-rotation is not implemented; refusing rather than "
-                           "rotating the temporal/height/width channels wrongly")
+    if is_mla(cfg) and model_type not in MLA_LAYOUTS:
+        raise KVProbeError(f"{model_type}: an MLA cache whose k_pe layout is not verified here (verified: "
+                           f"{', '.join(MLA_LAYOUTS)}); refusing rather than rotating the latent cache wrongly")
     if model_type in _REFUSED_MODEL_TYPES:
         raise KVProbeError(f"{model_type}: {_REFUSED_MODEL_TYPES[model_type]}; re-rotation refused")
+
+
+def _uses_mrope(cfg: Any) -> bool:
+    params = getattr(cfg, "rope_parameters", None) or {}
+    flat = [params] + [v for v in params.values() if isinstance(v, dict)]
+    return any("mrope_section" in p or p.get("mrope_interleaved") or "mrope" in str(p.get("rope_type", ""))
+               for p in flat) or bool(_MROPE_MODEL_TYPE.search(str(getattr(cfg, "model_type", ""))))
+
+
+def mrope_components(kind: str, section: Sequence[int], n_freq: int) -> tuple[int, ...]:
+    """Which position component (0 t, 1 h, 2 w) each of the ``n_freq`` frequencies rotates by.
+
+    Sectioned (Qwen2-VL): consecutive blocks of ``section[0]``, ``section[1]``, ``section[2]`` frequencies.
+    Interleaved (Qwen3-VL): temporal by default, height at 1, 4, 7, ... below ``3 * section[1]``, width at
+    2, 5, 8, ... below ``3 * section[2]`` (transformers' ``recomposition_frequencies``, read not guessed).
+    """
+    if kind == "sectioned":
+        comps = [c for c, n in enumerate(section) for _ in range(int(n))]
+    else:
+        comps = [0] * n_freq
+        for c in (1, 2):
+            for f in range(c, 3 * int(section[c]), 3):
+                comps[f] = c
+    if len(comps) != n_freq:
+        raise KVProbeError(f"mrope_section {list(section)} does not cover the {n_freq} rotary frequencies")
+    return tuple(comps)
+
+
+def is_mla(cfg: Any) -> bool:
+    """Multi-head latent attention (DeepSeek-V2 style): a compressed latent plus a decoupled RoPE k_pe."""
+    return getattr(cfg, "kv_lora_rank", None) is not None and getattr(cfg, "qk_rope_head_dim", None) is not None
 
 
 def _check_rope_type(rope_type: str, model_type: str, where: str) -> None:
@@ -218,6 +261,9 @@ def rope_layer_info(model_or_config: Any) -> tuple[RopeLayerInfo, ...]:
     layer_types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * n_layers)
     no_rope = getattr(cfg, "no_rope_layers", None)  # SmolLM3: 1 = RoPE, 0 = NoPE
     layout = "interleaved" if model_type in INTERLEAVED_MODEL_TYPES else "half"
+    mla = is_mla(cfg)
+    if mla:
+        layout = MLA_LAYOUTS[model_type]
     cache: dict[tuple[int, str | None], RopeLayerInfo] = {}
     infos = []
     for i, rot in enumerate(per_layer):
@@ -228,7 +274,9 @@ def rope_layer_info(model_or_config: Any) -> tuple[RopeLayerInfo, ...]:
         info = cache[key]
         if no_rope is not None and not no_rope[i]:
             info = RopeLayerInfo("none", info.inv_freq, layout="none", layer_type=lt)
-        infos.append(info)
+        if mla and info.rotary_dim != int(cfg.qk_rope_head_dim):
+            raise KVProbeError(f"{model_type}: rotary_dim {info.rotary_dim} != qk_rope_head_dim {cfg.qk_rope_head_dim}")
+        infos.append(replace(info, rotated_slot="values") if mla else info)
     return tuple(infos)
 
 
@@ -245,6 +293,12 @@ def _info_of(rot: torch.nn.Module, layer_type: str | None, model_type: str, layo
     else:
         rope_type, prefix, params, where = rot.rope_type, "", rcfg.rope_parameters, ""
     _check_rope_type(str(rope_type), model_type, where)
+    mrope, comps = None, None
+    if hasattr(rot, "mrope_section") or _uses_mrope(rcfg):
+        mrope = MROPE_CLASSES.get(type(rot).__name__)
+        if mrope is None or not hasattr(rot, "mrope_section"):
+            raise KVProbeError(f"{model_type}: M-RoPE in {type(rot).__name__}, whose temporal/height/width channel map "
+                               f"is not verified here (verified: {', '.join(MROPE_CLASSES)}); re-rotation refused")
     inv = getattr(rot, f"{prefix}original_inv_freq", None)
     if inv is None:
         inv = getattr(rot, f"{prefix}inv_freq")
@@ -259,9 +313,11 @@ def _info_of(rot: torch.nn.Module, layer_type: str | None, model_type: str, layo
         if float(long_scaling) != scaling:
             raise KVProbeError(f"{model_type}{where}: longrope attention scaling differs between its short and long "
                                "regimes; re-rotation refused")
+    if mrope is not None:
+        comps = mrope_components(mrope, rot.mrope_section, int(inv.numel()))
     return RopeLayerInfo(rope_type=str(rope_type), inv_freq=inv.detach().to("cpu", torch.float32).clone(),
                          attention_scaling=scaling, layout=layout, long_inv_freq=long_inv,
-                         original_max_position=orig, layer_type=layer_type)
+                         original_max_position=orig, layer_type=layer_type, mrope=mrope, mrope_components=comps)
 
 
 # -- the rotation ---------------------------------------------------------------------------------------
@@ -274,12 +330,37 @@ def _positions(pos: Sequence[int] | torch.Tensor, n: int, what: str) -> torch.Te
     return t
 
 
+def _per_frequency(pos: torch.Tensor, info: RopeLayerInfo) -> torch.Tensor:
+    """``[slots, n_freq]`` positions each frequency rotates by: one per slot, or M-RoPE's (t, h, w) pick."""
+    if pos.dim() == 1:
+        return pos[:, None].expand(-1, info.inv_freq.numel())
+    comps = torch.as_tensor(info.mrope_components, dtype=torch.long)
+    return pos[comps, :].T  # pos is [3, slots]
+
+
+def _is_three_component(pos: Any) -> bool:
+    return isinstance(pos, torch.Tensor) and pos.dim() == 2 or (
+        not isinstance(pos, torch.Tensor) and len(pos) == 3 and all(isinstance(p, Sequence) for p in pos))
+
+
+def _positions3(pos: Any, n: int, what: str) -> torch.Tensor:
+    """M-RoPE positions as ``[3, slots]`` (a 1-D sequence means all three components are equal)."""
+    t = torch.as_tensor(pos, dtype=torch.long).cpu()
+    if t.dim() == 1:
+        t = t[None].expand(3, -1)
+    if t.shape != (3, n):
+        raise KVProbeError(f"{what} M-RoPE positions must be [3, {n}] (t, h, w); got {tuple(t.shape)}")
+    if t.min() < 0 or t.max() >= _MAX_EXACT_POSITION:
+        raise KVProbeError(f"{what} positions must lie in [0, 2**24) (float32 RoPE angles are exact only there)")
+    return t
+
+
 def _cos_sin(info: RopeLayerInfo, from_pos: torch.Tensor, to_pos: torch.Tensor, from_seq_len: int,
              to_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin (float64, ``[slots, rotary_dim/2]``) of the pure rotation taking angle a(from) to a(to)."""
     # The model's angles, bit for bit: float32(position) * float32 inv_freq, one float32 product.
-    a_from = from_pos.to(torch.float32)[:, None] * info.inv_freq_for(from_seq_len)[None, :]
-    a_to = to_pos.to(torch.float32)[:, None] * info.inv_freq_for(to_seq_len)[None, :]
+    a_from = _per_frequency(from_pos, info).to(torch.float32) * info.inv_freq_for(from_seq_len)[None, :]
+    a_to = _per_frequency(to_pos, info).to(torch.float32) * info.inv_freq_for(to_seq_len)[None, :]
     delta = a_to.double() - a_from.double()  # exact: difference of two float32 numbers
     return delta.cos(), delta.sin()
 
@@ -305,6 +386,9 @@ def rotate_keys(keys: torch.Tensor, from_pos: Sequence[int] | torch.Tensor, to_p
                 to_seq_len: int | None = None) -> torch.Tensor:
     """Keys ``[batch, kv_heads, slots, head_dim]`` rotated at ``from_pos[slot]``, re-rotated to ``to_pos[slot]``.
 
+    For M-RoPE models either position may be ``[3, slots]`` (temporal, height, width), e.g. to move an image
+    chunk along the temporal component only; a 1-D sequence stands for three equal components.
+
     Applies the pure rotation by the angle difference (no attention scaling: the keys carry it once
     already), to the first ``rotary_dim`` channels only. Returns a new tensor; ``keys`` is never modified.
     ``from_seq_len`` / ``to_seq_len`` name the forward-call length that picked longrope's regime (default:
@@ -313,9 +397,17 @@ def rotate_keys(keys: torch.Tensor, from_pos: Sequence[int] | torch.Tensor, to_p
     if keys.dim() != 4:
         raise KVProbeError(f"keys must be [batch, kv_heads, slots, head_dim]; got shape {tuple(keys.shape)}")
     n = keys.shape[-2]
+    info = rope_layer_info
+    if _is_three_component(from_pos) or _is_three_component(to_pos):
+        if info.mrope is None:
+            raise KVProbeError("[3, slots] (t, h, w) positions are for M-RoPE models; this RoPE takes one per slot")
+        f3, t3 = (_positions3(p, n, w) for p, w in ((from_pos, "source"), (to_pos, "target")))
+        if info.rotary_dim > keys.shape[-1]:
+            raise KVProbeError(f"rotary_dim {info.rotary_dim} exceeds the keys' head_dim {keys.shape[-1]}")
+        cos, sin = _cos_sin(info, f3, t3, int(f3.max()) + 1, int(t3.max()) + 1)
+        return _apply(keys, cos, sin, info.layout)
     f = _positions(from_pos, n, "source")
     t = _positions(to_pos, n, "target")
-    info = rope_layer_info
     if info.rotary_dim > keys.shape[-1]:
         raise KVProbeError(f"rotary_dim {info.rotary_dim} exceeds the keys' head_dim {keys.shape[-1]}")
     if info.layout == "none" or n == 0:
@@ -333,7 +425,8 @@ def rerotate(state: KVState, target_positions: Sequence[int] | torch.Tensor, mod
     """A new state whose keys were re-rotated from ``state.positions`` to ``target_positions``.
 
     The paper's transplant (Section 5; Section 8 / Appendix F for the adapters): post-RoPE keys are
-    re-rotated exactly with the model's own RoPE, values are position-free and shared by reference.
+    re-rotated exactly with the model's own RoPE, values are position-free and shared by reference (MLA:
+    the value slot's k_pe is re-rotated and the key slot's latent shared).
     ``model_or_config`` is the model, a LoadedModel, its config, or the output of :func:`rope_layer_info`.
     Input tensors are never modified.
     """
@@ -346,20 +439,29 @@ def rerotate(state: KVState, target_positions: Sequence[int] | torch.Tensor, mod
     src = _positions(state.positions, state.length, "source")
     fs, ts = state.next_position, int(target.max()) + 1
     memo: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
-    keys = []
-    for k, info in zip(state.keys, infos):
+    keys, values = list(state.keys), list(state.values)  # untouched slots are shared (write-once)
+    for i, info in enumerate(infos):
+        slot = values if info.rotated_slot == "values" else keys
+        k = slot[i]
         if info.rotary_dim > k.shape[-1]:
-            raise KVProbeError(f"rotary_dim {info.rotary_dim} exceeds the keys' head_dim {k.shape[-1]}")
+            raise KVProbeError(f"rotary_dim {info.rotary_dim} exceeds the rotated vectors' size {k.shape[-1]}")
         if info.layout == "none":
-            keys.append(k.clone())
+            slot[i] = k.clone()
             continue
         if id(info) not in memo:  # layers sharing one rotary setting share one cos/sin
             info.check_regimes(fs, ts)
             same = torch.equal(src, target) and info.inv_freq_for(fs) is info.inv_freq_for(ts)
             memo[id(info)] = None if same else _cos_sin(info, src, target, fs, ts)
         cs = memo[id(info)]
-        keys.append(k.clone() if cs is None else _apply(k, cs[0], cs[1], info.layout))
+        slot[i] = k.clone() if cs is None else _apply(k, cs[0], cs[1], info.layout)
+    if any(info.rotated_slot == "values" for info in infos):
+        return KVState(tuple(keys), tuple(values), target.to(torch.long))
     return state.with_positions(target, keys)
+
+
+def rotated_vectors(state: KVState, infos: Sequence[RopeLayerInfo]) -> list[torch.Tensor]:
+    """Per layer, the cached tensor that carries RoPE: the keys, or MLA's k_pe (the value slot)."""
+    return [v if info.rotated_slot == "values" else k for k, v, info in zip(state.keys, state.values, infos)]
 
 
 def shift(state: KVState, offset: int, model_or_config: Any) -> KVState:
