@@ -9,13 +9,18 @@ the next-token logits with a full prefill of the byte-identical tokens: logit co
 collapse), seam repair (the first k chunk tokens recomputed with the real preceding context), and the skill
 split into N independently precompiled blocks. The RoPE gate runs first and its result is recorded.
 
-Where our setting differs: small CPU models and one skill type (rules) inserted in the system area; the
-paper also inserts facts chunks and tool results mid-trajectory.
+Other insertion points (``other_chunks``): the tool specifications (system area, right after the skill) and
+the conversation turn (mid-trajectory, just before the decision prompt), each precompiled alone and spliced
+with and without rotation (variants ``tools_seam0``, ``conversation_no_rotation``, ...).
+
+Where our setting differs: small CPU models; the chunks are parts of the gated prompt, so every one of them
+sits after the mutable field and its isolated precompile misses field-conditioned notes (the paper's skills
+do not depend on an upstream field); the conversation chunk stands in for the paper's tool-result insertion.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -34,10 +39,32 @@ class Params(BaseModel):
     seam_repair: list[int] = Field(default_factory=lambda: [0, 1, 4, 16])
     n_blocks: list[int] = Field(default_factory=lambda: [1, 2, 4])
     gate_chunk_len: int = 32
+    other_chunks: list[Literal["tools", "conversation"]] = Field(
+        default_factory=lambda: ["tools", "conversation"],
+        description="further chunks transplanted alone (seam 0 and no rotation): tools (system area), "
+                    "conversation (mid-trajectory)")
 
 
 def setup(ctx: Context) -> None:
     ctx.scratch["gate"] = run_gate(ctx.lm, chunk_len=ctx.params.gate_chunk_len, offsets=(17, 500, 3000))
+
+
+def _chunk_markers(tpl: Any) -> dict[str, list[str]]:
+    """The text that opens each transplantable chunk and the text that opens what follows it."""
+    decision = tpl.decision_prompt.split("\n", 1)[0]
+    return {"policy": [tpl.policy_header, tpl.tools_header], "tools": [tpl.tools_header, tpl.conversation_header],
+            "conversation": [tpl.conversation_header, decision]}
+
+
+def _other_chunk_variants(ctx: Context, ids: list[int], bounds: dict[str, tuple[int, int]]) -> dict[str, Any]:
+    out = {}
+    for name in ctx.params.other_chunks:
+        c0, c1 = bounds[name]
+        head, chunk, tail = ids[:c0], ids[c0:c1], ids[c1:-1]
+        whole = precompile(ctx.lm, chunk)
+        out[f"{name}_seam0"] = [Live(tuple(head)), Spliced(tuple(chunk), whole), Live(tuple(tail))]
+        out[f"{name}_no_rotation"] = [Live(tuple(head)), Spliced(tuple(chunk), whole, rotate=False), Live(tuple(tail))]
+    return out
 
 
 def _variants(ctx: Context, head: list[int], chunk: list[int], tail: list[int]) -> dict[str, Any]:
@@ -58,19 +85,25 @@ def _variants(ctx: Context, head: list[int], chunk: list[int], tail: list[int]) 
 
 def run_instance(ctx: Context, inst: Any) -> dict[str, Any]:
     lm, tpl = ctx.lm, ctx.template
-    ids, (c0, c1) = segment_prompt(lm.tokenizer, inst, inst.new_value, lm.has_chat_template,
-                                   [tpl.policy_header, tpl.tools_header])
+    markers = _chunk_markers(tpl)
+    needed = ["policy", *ctx.params.other_chunks]
+    ids, cuts = segment_prompt(lm.tokenizer, inst, inst.new_value, lm.has_chat_template,
+                               [m for name in needed for m in markers[name]])
+    bounds = {name: (cuts[2 * i], cuts[2 * i + 1]) for i, name in enumerate(needed)}
     query = ids[-1:]
+    c0, c1 = bounds["policy"]
     head, chunk, tail = ids[:c0], ids[c0:c1], ids[c1:-1]
     full = read_logits(lm, prefill(lm, ids[:-1]), query)
     names, states = [], []
-    for name, pieces in _variants(ctx, head, chunk, tail).items():
+    variants = {**_variants(ctx, head, chunk, tail), **_other_chunk_variants(ctx, ids, bounds)}
+    for name, pieces in variants.items():
         names.append(name)
         states.append(assemble(lm, pieces))
     logits = read_logits(lm, states, query, batch_size=ctx.cfg.batch_size)
     new_id = lm.tokenizer(" " + inst.new_action, add_special_tokens=False)["input_ids"][0]
     old_id = lm.tokenizer(" " + inst.old_action, add_special_tokens=False)["input_ids"][0]
     row = {**inst.row(), "n_tokens": len(ids), "chunk_tokens": len(chunk), "chunk_start": c0,
+           "chunks": {name: list(b) for name, b in bounds.items()},
            "full_correct": bool(full[0, new_id] > full[0, old_id])}
     for i, name in enumerate(names):
         row[f"{name}_cosine"] = float(logit_cosine(logits[i], full[0]))
@@ -104,7 +137,8 @@ def table(summary: dict[str, Any]) -> str:
 def headline(s: dict[str, Any]) -> str:
     v = s["variants"]
     cells = [f"{name} cos {ci_cell(v[name]['cosine'], 3)} agree {v[name]['agreement']['mean']:.2f}"
-             for name in ("seam0", "no_rotation") if name in v]
+             for name in ("seam0", "no_rotation", "tools_seam0", "conversation_seam0", "conversation_no_rotation")
+             if name in v]
     seams = sorted((k for k in v if k.startswith("seam") and k != "seam0"), key=lambda k: int(k[4:]))
     if seams:
         cells.insert(1, f"{seams[-1]} cos {v[seams[-1]]['cosine']['mean']:.3f}")

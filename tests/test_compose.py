@@ -51,8 +51,13 @@ def test_transplant_cli_end_to_end(tiny_text_dir, tmp_path):
     assert main(["run", "configs/transplant.yaml", "--model", str(tiny_text_dir), "--output-dir", str(tmp_path),
                  "--set", "task.n_instances=2", "--set", "params.seam_repair=[0,2]", "--quiet"]) == 0
     rec = json.loads(next(tmp_path.glob("transplant/*/*.json")).read_text())
-    assert rec["summary"]["gate"]["passed"] and {"seam0", "seam2", "no_rotation", "blocks2"} <= set(
+    assert rec["summary"]["gate"]["passed"] and {"seam0", "seam2", "no_rotation", "blocks2", "tools_seam0",
+                                                 "conversation_seam0", "conversation_no_rotation"} <= set(
         rec["summary"]["variants"])
+    for row in rec["rows"]:  # policy, tools and conversation chunks: in prompt order, back to back
+        c = row["chunks"]
+        assert c["policy"][0] < c["policy"][1] == c["tools"][0] < c["tools"][1] == c["conversation"][0] \
+            < c["conversation"][1] < row["n_tokens"]
     from kvprobe.runner.report import report_rows
 
     (row,) = report_rows(tmp_path)
