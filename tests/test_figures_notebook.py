@@ -38,6 +38,21 @@ def test_locality_notebook_runs_on_records(results, tmp_path):
     assert json.dumps(outputs).count("full_downstream") >= 1
 
 
+def test_results_notebook_runs_on_records(results, tmp_path):
+    import nbformat
+    from nbconvert.preprocessors import ExecutePreprocessor
+
+    nb = nbformat.read(REPO / "notebooks" / "results.ipynb", as_version=4)
+    work = tmp_path / "nb"
+    work.mkdir()
+    (work / "results").symlink_to(results)
+    ExecutePreprocessor(timeout=120, kernel_name="python3").preprocess(nb, {"metadata": {"path": str(work)}})
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    assert not any(o.get("output_type") == "error" for o in outputs), outputs
+    text = json.dumps(outputs)
+    assert "locality" in text and "no edit_frontier records yet" in text
+
+
 def _fake_locality(name: str, template: str, field_only: float) -> dict:
     stat = {"all": {"mean": field_only, "ci_low": field_only, "ci_high": field_only}, "gated": {"mean": None}}
     return {"model": {"name": name}, "config": {"task": {"template": template}},
