@@ -147,17 +147,24 @@ def _pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 
 
 def _load_dir(path: Path, dtype: torch.dtype, device: torch.device, seed: int) -> tuple[Any, Any]:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     if not (path / "config.json").exists():
         raise KVProbeError(f"{path} has no config.json: not a model directory")
     has_weights = any(p.suffix in _WEIGHT_SUFFIXES for p in path.iterdir() if p.is_file())
+    config = AutoConfig.from_pretrained(str(path))
+    # Vision-language models (M-RoPE text towers) are image-text-to-text classes, not causal LMs.
+    auto = AutoModelForCausalLM
+    if type(config) not in AutoModelForCausalLM._model_mapping and type(config) in AutoModelForImageTextToText._model_mapping:
+        auto = AutoModelForImageTextToText
+    if type(config) not in auto._model_mapping:
+        raise KVProbeError(f"{path}: {type(config).__name__} ({config.model_type}) is neither a causal LM nor an "
+                           "image-text-to-text model transformers can build")
     if has_weights:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        model = auto.from_pretrained(str(path), dtype=dtype)
     else:
-        config = AutoConfig.from_pretrained(str(path))
         torch.manual_seed(seed)  # config-only: seeded random init
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = auto.from_config(config, dtype=dtype)
     tokenizer = None
     if any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         tokenizer = AutoTokenizer.from_pretrained(str(path))
