@@ -4,7 +4,7 @@ import pytest
 
 from kvprobe.errors import KVProbeError
 from kvprobe.runner.config import load_config, parse_overrides
-from kvprobe.runner.experiment import run_experiment
+from kvprobe.runner.experiment import get_experiment, record_hash, run_experiment
 from kvprobe.runner.records import RecordWriter, atomic_write_json
 
 
@@ -39,6 +39,19 @@ def test_config_hash_ignores_output_dir_only():
     b = load_config(None, {"experiment": "locality", "output_dir": "y"})
     c = load_config(None, {"experiment": "locality", "seed": 1})
     assert a.hash() == b.hash() != c.hash()
+
+
+def test_record_hash_covers_resolved_params_defaults_included():
+    params_model = get_experiment("locality").params
+    implicit = load_config(None, {"experiment": "locality"})
+    explicit = load_config(None, {"experiment": "locality", "params": {"readout_tokens": 1}})
+    other = load_config(None, {"experiment": "locality", "params": {"readout_tokens": 2}})
+
+    def h(cfg):
+        return record_hash(cfg, params_model.model_validate(cfg.params))
+
+    # the default spelled out names the same record; a changed value (or a changed default) a new one
+    assert h(implicit) == h(explicit) != h(other)
 
 
 def test_atomic_write_leaves_old_file_on_failure(tmp_path):

@@ -8,7 +8,7 @@ import torch
 from kvprobe.errors import KVProbeError
 from kvprobe.models.registry import ModelEntry
 from kvprobe.organism.adapter import load_organism
-from kvprobe.organism.train import Recipe, check_disjoint, split_scenarios, train_organism
+from kvprobe.organism.train import Recipe, check_disjoint, counterfactual_rule, split_scenarios, train_organism
 
 
 def test_train_save_reload_identical_logits(tiny_text_dir, tmp_path, monkeypatch):
@@ -72,3 +72,36 @@ def test_disjointness_check_fails_loudly(template):
         check_disjoint(template, train + ["account_role"], held)
     with pytest.raises(KVProbeError, match="not families"):
         split_scenarios(template, ("no-such-family",))
+
+
+def test_counterfactual_rule_exchanges_the_values_of_every_template_rule(template):
+    for sc in template.scenarios:
+        cf = counterfactual_rule(sc)
+        assert (cf.allow_value, cf.block_value, cf.allow_action) == (sc.block_value, sc.allow_value, sc.allow_action)
+        # the first value the rule names is now the other one; swapping twice gives the rule back
+        first = min((sc.rule.index(v), v) for v in (sc.allow_value, sc.block_value))[1]
+        other = sc.block_value if first == sc.allow_value else sc.allow_value
+        assert cf.rule.index(other) == sc.rule.index(first)
+        assert counterfactual_rule(cf).rule == sc.rule
+    broken = template.scenarios[0].model_copy(update={"rule": "No values named here."})
+    with pytest.raises(KVProbeError, match="must name both values"):
+        counterfactual_rule(broken)
+
+
+def test_init_from_starts_where_the_named_organism_ends(tiny_text_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVPROBE_CACHE", str(tmp_path / "cache"))
+    import kvprobe.organism.registry as registry
+
+    monkeypatch.setattr(registry, "ORGANISMS_DIR", tmp_path / "organisms")
+    kw = dict(base_model=str(tiny_text_dir), pairs_per_step=1, eval_instances=2, lr=5e-3)
+    first = train_organism(Recipe(alias="tiny-a", steps=2, **kw), tmp_path / "organisms" / "tiny-a", progress=False)
+    # zero further steps: the second organism is the first one, so its held-out evaluation is identical
+    second = train_organism(Recipe(alias="tiny-b", steps=0, init_from="tiny-a", **kw), tmp_path / "b", progress=False)
+    assert second.card["heldout_eval"]["after"] == first.card["heldout_eval"]["after"]
+    assert second.card["heldout_eval"]["after"] != second.card["heldout_eval"]["before"]
+    assert second.card["init_adapter_sha256"]
+    with pytest.raises(KVProbeError, match="differs from this recipe"):
+        train_organism(Recipe(alias="tiny-c", steps=0, init_from="tiny-a", lora_r=4, **kw), tmp_path / "c",
+                       progress=False)
+    with pytest.raises(KVProbeError, match="no organism adapter"):
+        train_organism(Recipe(alias="tiny-d", steps=0, init_from="nope", **kw), tmp_path / "d", progress=False)

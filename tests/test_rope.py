@@ -279,3 +279,24 @@ def test_gate_cli_on_config_only_mla_and_mrope_dirs(name, tmp_path, capsys):
     assert main(["gate", "--model", str(d), "--chunk-len", "8", "--suffix-len", "1", "--offsets", "0", "900"]) == 0
     out = capsys.readouterr().out
     assert "PASSED" in out and ("MLA" in out or "M-RoPE" in out)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_full_kv_splices_past_the_window_where_the_truncating_cache_cannot(family):
+    from kvprobe.kv.sliding import compare_window_policies
+    from kvprobe.models.tiny import tiny_config
+
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(tiny_config(family)).eval()
+    cmp = compare_window_policies(model, chunk_len=24, offset=700)
+    full, trunc = cmp["full_kv"], cmp["truncating"]
+    assert cmp["window"] == 8 and full["slots_per_sliding_layer"] == 24
+    assert trunc["slots_per_sliding_layer"] < cmp["window"] and trunc["kv_bytes"] < full["kv_bytes"]
+    # appending after the block: both policies match an uncached forward
+    assert full["append_logit_rel"] <= LOGIT_TOL and trunc["append_logit_rel"] <= LOGIT_TOL
+    # a sub-block older than the window, sliced out and re-rotated: exact with full KV, impossible truncated
+    assert full["prefix_splice_tokens"] == 16 and full["prefix_splice_logit_rel"] <= LOGIT_TOL
+    assert trunc["prefix_splice_logit_rel"] is None and "unavailable" in trunc["prefix_splice"]
+    with pytest.raises(KVProbeError, match="must exceed the sliding window"):
+        compare_window_policies(model, chunk_len=8, offset=0)
+    assert compare_window_policies(_model(tf.LlamaConfig, **SMALL), chunk_len=24, offset=0) is None

@@ -13,10 +13,15 @@ from kvprobe.figures.common import bar_with_ci, latest_per_model, save
 def fig6b_transplant(records: list[dict[str, Any]], path: Path) -> None:
     per_model = latest_per_model(records)
     names = list(per_model)
-    variants = list(next(iter(per_model.values()))["summary"]["variants"])
+    variants: list[str] = []  # the union over models, in record order (older records have fewer variants)
+    for rec in per_model.values():
+        variants += [v for v in rec["summary"]["variants"] if v not in variants]
+    lows = [st.get("ci_low", st.get("mean")) for rec in per_model.values()
+            for st in (v.get("cosine", {}) for v in rec["summary"]["variants"].values())
+            if st.get("mean") is not None]
     fig, axes = plt.subplots(1, 2, figsize=(4 + 2.2 * len(names), 3.6))
     width = 0.8 / len(variants)
-    cmap = plt.get_cmap("tab10")
+    cmap = plt.get_cmap("tab20")
     for ax, metric, label in ((axes[0], "cosine", "logit cosine vs full recompute"),
                               (axes[1], "agreement", "decision agreement")):
         for m, name in enumerate(names):
@@ -26,8 +31,9 @@ def fig6b_transplant(records: list[dict[str, Any]], path: Path) -> None:
                             label=variant if m == 0 else None)
         ax.set_xticks(range(len(names)), names, fontsize=7)
         ax.set_ylabel(label)
-    axes[0].set_ylim(0.9, 1.0005)
+    # low enough that a collapsed control (cosine ~0.8) is visible, not clipped
+    axes[0].set_ylim(min(0.9, (min(lows) if lows else 0.9) - 0.02), 1.0005)
     axes[1].set_ylim(0, 1.05)
-    axes[1].legend(fontsize=6, loc="lower right")
+    axes[1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.suptitle("Transplanted skill vs full recompute (paper Fig. 6b)", fontsize=10)
     save(fig, path)

@@ -6,6 +6,10 @@ import argparse
 import json
 
 
+def result_offsets(result: dict) -> list[int]:
+    return [r["offset"] for r in result["rows"] if "refused" not in r] or [0]
+
+
 def _gate(args: argparse.Namespace) -> int:
     from kvprobe.kv.gate import DEFAULT_OFFSETS, format_gate, run_gate
     from kvprobe.models.loading import load_model
@@ -14,11 +18,24 @@ def _gate(args: argparse.Namespace) -> int:
     result = run_gate(lm, chunk_len=args.chunk_len, offsets=args.offsets or DEFAULT_OFFSETS, seed=args.seed,
                       suffix_len=args.suffix_len, key_tol=args.tol, deep_tol=args.deep_tol,
                       rotate=not args.no_rotate)
+    window = lm.spec.sliding_window
+    if window is not None and args.chunk_len > window:
+        # A chunk wider than the window: also report kvprobe's full per-token KV against the default
+        # truncating cache (informational: the verdict stays the rotation gate's).
+        from kvprobe.kv.sliding import compare_window_policies, format_window_comparison
+
+        result["window_policies"] = compare_window_policies(lm.model, args.chunk_len, max(result_offsets(result)),
+                                                            seed=args.seed, suffix_len=args.suffix_len)
     if args.json:
         print(json.dumps(result, indent=1))
     else:
         print(f"RoPE gate on {args.model} ({result['model_type']}, {lm.spec.n_layers} layers)")
         print(format_gate(result))
+        if "window_policies" in result:
+            print(format_window_comparison(result["window_policies"]))
+        elif window is not None:
+            print(f"(sliding window {window}: pass --chunk-len {window + 64} or more to compare kvprobe's full "
+                  f"per-token KV with the default truncating cache)")
     return 0 if result["passed"] else 1
 
 

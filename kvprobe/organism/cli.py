@@ -24,6 +24,11 @@ def _train(args: argparse.Namespace) -> int:
         kwargs["steps"] = args.steps
     if args.eval_families:
         kwargs["eval_families"] = tuple(args.eval_families.split(","))
+    if args.train_scenarios:
+        kwargs["train_scenarios"] = None if args.train_scenarios == "all" else tuple(args.train_scenarios.split(","))
+    for name in ("lr", "counterfactual_rules", "pairs_per_step", "lora_r", "init_from"):
+        if getattr(args, name) is not None:
+            kwargs[name] = getattr(args, name)
     recipe = Recipe(**{f.name: kwargs.get(f.name, getattr(defaults, f.name)) for f in fields(Recipe)})
     out = Path(args.out) if args.out else ORGANISMS_DIR / alias
     result = train_organism(recipe, out, resume=not args.fresh)
@@ -43,6 +48,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--alias", default=None, help="alias to register (default: <model>-gated)")
     tr.add_argument("--eval-families", default=None, help="comma-separated scenario families held out")
+    tr.add_argument("--train-scenarios", default=None,
+                    help="comma-separated scenario names, or 'all' (every scenario outside the eval families)")
+    tr.add_argument("--counterfactual-rules", type=float, default=None,
+                    help="probability that a training rule has its two values exchanged (default 0)")
+    tr.add_argument("--lr", type=float, default=None)
+    tr.add_argument("--init-from", default=None, help="organism alias whose adapter initializes the LoRA weights")
+    tr.add_argument("--pairs-per-step", type=int, default=None)
+    tr.add_argument("--lora-r", type=int, default=None)
     tr.add_argument("--out", default=None, help="adapter folder (default: inside kvprobe/organism/organisms/)")
     tr.add_argument("--fresh", action="store_true", help="ignore checkpoints and start over")
     tr.set_defaults(func=_train)

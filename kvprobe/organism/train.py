@@ -17,6 +17,7 @@ import hashlib
 import json
 import math
 import random
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,7 +28,7 @@ from tqdm.auto import tqdm
 
 from kvprobe.cache_dir import cache_root
 from kvprobe.errors import KVProbeError
-from kvprobe.tasks.gated import GatedTemplate, build_instance, load_template, tokenize_pair
+from kvprobe.tasks.gated import GatedTemplate, Scenario, build_instance, load_template, tokenize_pair
 
 NEUTRAL_TEXT = Path(__file__).parent / "data" / "neutral.txt"
 
@@ -55,6 +56,24 @@ class Recipe:
     seed: int = 0
     eval_instances: int = 48
     checkpoint_every: int = 10
+    # Probability that a training instance's rule has its two values exchanged (a counterfactual rule:
+    # "if pending, deny; if shipped, cancel"). Such rules cannot be answered from a memorized value->action
+    # association, only by reading the rule; held-out evaluation always uses the template's own rules.
+    counterfactual_rules: float = 0.0
+    # An organism alias whose adapter initializes the LoRA weights (same rank and target modules): a second
+    # stage that broadens an organism instead of starting from the base model. None = fresh LoRA.
+    init_from: str | None = None
+
+
+def recipe_summary(recipe: Recipe, n_train_scenarios: int) -> str:
+    """One line for the card and `kvprobe models`."""
+    text = (f"LoRA r={recipe.lora_r} on {'/'.join(recipe.target_modules)}, {recipe.steps} steps on "
+            f"{n_train_scenarios} scenarios, gated decisions with the field upstream")
+    if recipe.counterfactual_rules:
+        text += f", {recipe.counterfactual_rules:.0%} counterfactual rules"
+    if recipe.init_from:
+        text += f", continued from {recipe.init_from}"
+    return text
 
 
 def split_scenarios(template: GatedTemplate, eval_families: tuple[str, ...]) -> tuple[list[str], list[str]]:
@@ -79,10 +98,24 @@ def check_disjoint(template: GatedTemplate, train: list[str], held: list[str]) -
         raise KVProbeError("both the train and the eval split need at least one scenario")
 
 
-def _instance(template: GatedTemplate, scenarios: list[str], seed: int, index: int, n_filler: tuple[int, int]):
+def counterfactual_rule(scenario: Scenario) -> Scenario:
+    """The scenario with its rule's two field values exchanged, so each value now permits the other action."""
+    a, b = scenario.allow_value, scenario.block_value
+    pattern = re.compile(rf"\b({re.escape(a)}|{re.escape(b)})\b")
+    if len(pattern.findall(scenario.rule)) < 2:
+        raise KVProbeError(f"scenario '{scenario.name}': its rule must name both values ({a}, {b}) to be swapped")
+    rule = pattern.sub(lambda m: b if m.group(0) == a else a, scenario.rule)
+    return scenario.model_copy(update={"allow_value": b, "block_value": a, "rule": rule})
+
+
+def _instance(template: GatedTemplate, scenarios: list[str], seed: int, index: int, n_filler: tuple[int, int],
+              counterfactual: float = 0.0):
     rng = random.Random(hashlib.sha256(f"organism:{seed}:{index}".encode()).digest())
     scenario = template.scenario(scenarios[rng.randrange(len(scenarios))])
-    return build_instance(template, scenario, index, seed, rng.randint(*n_filler))
+    n = rng.randint(*n_filler)
+    if counterfactual > 0 and rng.random() < counterfactual:
+        scenario = counterfactual_rule(scenario)
+    return build_instance(template, scenario, index, seed, n)
 
 
 def data_hash(pairs: list[Any]) -> str:
@@ -93,8 +126,9 @@ def data_hash(pairs: list[Any]) -> str:
 
 
 def _examples(lm: Any, template: GatedTemplate, scenarios: list[str], seed: int, start: int, n: int,
-              n_filler: tuple[int, int]) -> list[Any]:
-    return [tokenize_pair(lm.tokenizer, _instance(template, scenarios, seed, i, n_filler), lm.has_chat_template)
+              n_filler: tuple[int, int], counterfactual: float = 0.0) -> list[Any]:
+    return [tokenize_pair(lm.tokenizer, _instance(template, scenarios, seed, i, n_filler, counterfactual),
+                          lm.has_chat_template)
             for i in range(start, start + n)]
 
 
@@ -142,6 +176,31 @@ def _lr_at(step: int, recipe: Recipe) -> float:
     return recipe.lr * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
 
 
+def _init_adapter(model: Any, recipe: Recipe) -> str:
+    """Load the adapter of organism ``recipe.init_from`` into ``model``; returns the file's sha256 prefix."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from kvprobe.organism.registry import ORGANISMS_DIR
+
+    folder = ORGANISMS_DIR / str(recipe.init_from)
+    card_path, weights = folder / "card.json", folder / "adapter_model.safetensors"
+    if not weights.exists():
+        raise KVProbeError(f"init_from={recipe.init_from}: no organism adapter at {folder.name}/; choose one of "
+                           f"{sorted(p.name for p in ORGANISMS_DIR.iterdir() if p.is_dir())}")
+    card = json.loads(card_path.read_text())
+    theirs = card["recipe"]
+    if (theirs["lora_r"], tuple(theirs["target_modules"])) != (recipe.lora_r, tuple(recipe.target_modules)):
+        raise KVProbeError(f"init_from={recipe.init_from}: its LoRA (r={theirs['lora_r']}, {theirs['target_modules']})"
+                           f" differs from this recipe's (r={recipe.lora_r}, {list(recipe.target_modules)})")
+    if card["base_model"] != recipe.base_model:
+        raise KVProbeError(f"init_from={recipe.init_from} was trained on {card['base_model']}, not {recipe.base_model}")
+    result = set_peft_model_state_dict(model, load_file(str(weights)))
+    if getattr(result, "unexpected_keys", None):
+        raise KVProbeError(f"init_from={recipe.init_from}: adapter keys do not match: {result.unexpected_keys[:3]}")
+    return hashlib.sha256(weights.read_bytes()).hexdigest()[:16]
+
+
 def scrub_adapter_dir(out_dir: Path, base_alias: str) -> None:
     """peft writes the local weights path and a boilerplate README; keep the alias, drop the boilerplate."""
     (out_dir / "README.md").unlink(missing_ok=True)
@@ -179,6 +238,7 @@ def train_organism(recipe: Recipe, out_dir: Path, resume: bool = True, progress:
     config = LoraConfig(r=recipe.lora_r, lora_alpha=recipe.lora_alpha, lora_dropout=recipe.lora_dropout,
                         target_modules=list(recipe.target_modules), bias="none", task_type="CAUSAL_LM")
     model = get_peft_model(lm.model, config)
+    init_sha = _init_adapter(model, recipe) if recipe.init_from else None
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=0.0)
     ckpt_dir = cache_root() / "organism-checkpoints" / recipe.alias / hashlib.sha256(
@@ -195,7 +255,7 @@ def train_organism(recipe: Recipe, out_dir: Path, resume: bool = True, progress:
                disable=not progress)
     for step in bar:
         pairs = _examples(lm, template, train_sc, recipe.seed, step * recipe.pairs_per_step, recipe.pairs_per_step,
-                          recipe.n_filler)
+                          recipe.n_filler, recipe.counterfactual_rules)
         for group in opt.param_groups:
             group["lr"] = _lr_at(step, recipe)
         loss = _batch_loss(model, pairs)
@@ -214,7 +274,8 @@ def train_organism(recipe: Recipe, out_dir: Path, resume: bool = True, progress:
     model.eval()
     # The training data hash is over every pair the recipe trains on (regenerated deterministically).
     train_pairs_hash = data_hash(_examples(lm, template, train_sc, recipe.seed, 0,
-                                           recipe.steps * recipe.pairs_per_step, recipe.n_filler))
+                                           recipe.steps * recipe.pairs_per_step, recipe.n_filler,
+                                           recipe.counterfactual_rules))
     trained_eval = evaluate(model, eval_pairs)
     trained_train = evaluate(model, _examples(lm, template, train_sc, recipe.seed + 20_000, 0, 16, recipe.n_filler))
     trained_ppl = neutral_perplexity(model, lm.tokenizer)
@@ -226,9 +287,9 @@ def train_organism(recipe: Recipe, out_dir: Path, resume: bool = True, progress:
         "alias": recipe.alias,
         "base_model": recipe.base_model,
         "base_fingerprint": lm.fingerprint,
-        "summary": f"LoRA r={recipe.lora_r} on {'/'.join(recipe.target_modules)}, {recipe.steps} steps, "
-                   f"gated decisions with the field upstream",
+        "summary": recipe_summary(recipe, len(train_sc)),
         "recipe": asdict(recipe),
+        "init_adapter_sha256": init_sha,
         "train_scenarios": train_sc,
         "eval_scenarios": eval_sc,
         "train_families": sorted({fam[n] for n in train_sc}),

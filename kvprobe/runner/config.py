@@ -47,11 +47,14 @@ class RunConfig(Strict):
     params: dict[str, Any] = Field(default_factory=dict, description="experiment-specific; validated by the experiment")
     output_dir: str = "results"
 
-    def hash(self, extra: str = "") -> str:
+    def hash(self, extra: str = "", params: dict[str, Any] | None = None) -> str:
         """Hash of everything that can change the numbers (not where the record is written).
 
-        ``extra`` folds in content the config only points to (the task template file's hash)."""
+        ``extra`` folds in content the config only points to (the task template file's hash); ``params``,
+        when given, replaces the raw params by the experiment's resolved ones (defaults included)."""
         payload = {**self.model_dump(exclude={"output_dir"}), "_extra": extra}
+        if params is not None:
+            payload["params"] = params
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 

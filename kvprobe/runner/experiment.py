@@ -88,6 +88,14 @@ def task_template_sha(cfg: RunConfig) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.exists() else ""
 
 
+def record_hash(cfg: RunConfig, params: BaseModel) -> str:
+    """The record's name: the config plus the task template's content plus the params as resolved.
+
+    Resolved means defaults included, so editing a template or changing a default in code makes a new
+    record, never a silent mix with (or a refusal on) an old one."""
+    return cfg.hash(extra=task_template_sha(cfg), params=params.model_dump(mode="json"))
+
+
 def run_experiment(cfg: RunConfig, overwrite: bool = False, fresh: bool = False, lm: Any = None,
                    progress: bool = True, config_source: str = "<config>") -> tuple[Path, dict[str, Any]]:
     """Run ``cfg`` end to end and return (record path, record). Refuses to clobber a finished record."""
@@ -96,7 +104,8 @@ def run_experiment(cfg: RunConfig, overwrite: bool = False, fresh: bool = False,
     exp = get_experiment(cfg.experiment)
     params = validate_params(exp.params, cfg.params, config_source)
     template_sha = task_template_sha(cfg)
-    chash = cfg.hash(extra=template_sha)  # editing the task template makes a new record, never a silent mix
+    resolved_params = params.model_dump(mode="json")
+    chash = record_hash(cfg, params)
     path = record_path(cfg.output_dir, exp.name, cfg.model, chash)
     writer = RecordWriter(path, overwrite=overwrite, fresh=fresh)  # refuses before any model is loaded
     t0 = time.perf_counter()
@@ -127,6 +136,7 @@ def run_experiment(cfg: RunConfig, overwrite: bool = False, fresh: bool = False,
         "experiment": exp.name,
         "config": cfg.model_dump(),
         "config_hash": chash,
+        "params_resolved": resolved_params,
         "task_template_sha256": template_sha,
         "git": git_commit(),
         "packages": package_versions(),

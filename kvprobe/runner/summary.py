@@ -18,6 +18,8 @@ def ci_cell(stat: dict[str, Any] | None, digits: int = 2, signed: bool = False) 
     if not stat or not stat.get("n") or stat.get("mean") is None:
         return "n/a"
     f = f"{{:{'+' if signed else ''}.{digits}f}}"
+    if stat["n"] == 1:  # a bootstrap over one instance is no interval
+        return f"{f.format(stat['mean'])} (one instance)"
     return f"{f.format(stat['mean'])} [{f.format(stat['ci_low'])}, {f.format(stat['ci_high'])}]"
 
 
