@@ -9,13 +9,15 @@ the next-token logits with a full prefill of the byte-identical tokens: logit co
 collapse), seam repair (the first k chunk tokens recomputed with the real preceding context), and the skill
 split into N independently precompiled blocks. The RoPE gate runs first and its result is recorded.
 
-Other insertion points (``other_chunks``): the tool specifications (system area, right after the skill) and
-the conversation turn (mid-trajectory, just before the decision prompt), each precompiled alone and spliced
-with and without rotation (variants ``tools_seam0``, ``conversation_no_rotation``, ...).
+Other insertion points (``other_chunks``): the facts chunk (the SESSION CONTEXT with the field, spliced right
+after the system prompt), the tool specifications (system area, right after the skill) and the conversation
+turn (mid-trajectory, just before the decision prompt), each precompiled alone and spliced with and without
+rotation (variants ``facts_seam0``, ``tools_seam0``, ``conversation_no_rotation``, ...).
 
 Where our setting differs: small CPU models; the chunks are parts of the gated prompt, so every one of them
-sits after the mutable field and its isolated precompile misses field-conditioned notes (the paper's skills
-do not depend on an upstream field); the conversation chunk stands in for the paper's tool-result insertion.
+but the facts chunk sits after the mutable field and its isolated precompile misses field-conditioned notes
+(the paper's skills do not depend on an upstream field); the conversation chunk stands in for the paper's
+tool-result insertion.
 """
 
 from __future__ import annotations
@@ -39,10 +41,10 @@ class Params(BaseModel):
     seam_repair: list[int] = Field(default_factory=lambda: [0, 1, 4, 16])
     n_blocks: list[int] = Field(default_factory=lambda: [1, 2, 4])
     gate_chunk_len: int = 32
-    other_chunks: list[Literal["tools", "conversation"]] = Field(
-        default_factory=lambda: ["tools", "conversation"],
-        description="further chunks transplanted alone (seam 0 and no rotation): tools (system area), "
-                    "conversation (mid-trajectory)")
+    other_chunks: list[Literal["facts", "tools", "conversation"]] = Field(
+        default_factory=lambda: ["facts", "tools", "conversation"],
+        description="further chunks transplanted alone (seam 0 and no rotation): facts (the session context, "
+                    "right after the system prompt), tools (system area), conversation (mid-trajectory)")
 
 
 def setup(ctx: Context) -> None:
@@ -52,8 +54,8 @@ def setup(ctx: Context) -> None:
 def _chunk_markers(tpl: Any) -> dict[str, list[str]]:
     """The text that opens each transplantable chunk and the text that opens what follows it."""
     decision = tpl.decision_prompt.split("\n", 1)[0]
-    return {"policy": [tpl.policy_header, tpl.tools_header], "tools": [tpl.tools_header, tpl.conversation_header],
-            "conversation": [tpl.conversation_header, decision]}
+    return {"facts": [tpl.context_header, tpl.policy_header], "policy": [tpl.policy_header, tpl.tools_header],
+            "tools": [tpl.tools_header, tpl.conversation_header], "conversation": [tpl.conversation_header, decision]}
 
 
 def _other_chunk_variants(ctx: Context, ids: list[int], bounds: dict[str, tuple[int, int]]) -> dict[str, Any]:
@@ -137,7 +139,8 @@ def table(summary: dict[str, Any]) -> str:
 def headline(s: dict[str, Any]) -> str:
     v = s["variants"]
     cells = [f"{name} cos {ci_cell(v[name]['cosine'], 3)} agree {v[name]['agreement']['mean']:.2f}"
-             for name in ("seam0", "no_rotation", "tools_seam0", "conversation_seam0", "conversation_no_rotation")
+             for name in ("seam0", "no_rotation", "facts_seam0", "tools_seam0", "conversation_seam0",
+                         "conversation_no_rotation")
              if name in v]
     seams = sorted((k for k in v if k.startswith("seam") and k != "seam0"), key=lambda k: int(k[4:]))
     if seams:
