@@ -103,5 +103,10 @@ def test_init_from_starts_where_the_named_organism_ends(tiny_text_dir, tmp_path,
     with pytest.raises(KVProbeError, match="differs from this recipe"):
         train_organism(Recipe(alias="tiny-c", steps=0, init_from="tiny-a", lora_r=4, **kw), tmp_path / "c",
                        progress=False)
+    trained_on = first.card["train_families"][0]
+    with pytest.raises(KVProbeError, match="holds out"):  # held out now, but seen by the first stage
+        train_organism(Recipe(alias="tiny-e", steps=0, init_from="tiny-a", eval_families=(trained_on,),
+                              train_scenarios=None, **kw),
+                       tmp_path / "e", progress=False)
     with pytest.raises(KVProbeError, match="no organism adapter"):
         train_organism(Recipe(alias="tiny-d", steps=0, init_from="nope", **kw), tmp_path / "d", progress=False)

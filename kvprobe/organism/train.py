@@ -195,6 +195,11 @@ def _init_adapter(model: Any, recipe: Recipe) -> str:
                            f" differs from this recipe's (r={recipe.lora_r}, {list(recipe.target_modules)})")
     if card["base_model"] != recipe.base_model:
         raise KVProbeError(f"init_from={recipe.init_from} was trained on {card['base_model']}, not {recipe.base_model}")
+    # The held-out families must be held out of every stage, or the evaluation measures memory.
+    leaked = sorted(set(card.get("train_families", [])) & set(recipe.eval_families))
+    if leaked:
+        raise KVProbeError(f"init_from={recipe.init_from} was trained on families {leaked} that this recipe holds "
+                           f"out; choose eval_families disjoint from its train_families")
     result = set_peft_model_state_dict(model, load_file(str(weights)))
     if getattr(result, "unexpected_keys", None):
         raise KVProbeError(f"init_from={recipe.init_from}: adapter keys do not match: {result.unexpected_keys[:3]}")
