@@ -38,7 +38,8 @@ DEFAULT_TOLERANCES = {torch.float32: (1e-5, 1e-4), torch.float64: (1e-10, 1e-8),
 FP32_ANGLE_EPS = 2.0 ** -24
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Max-abs difference over max-abs of the reference (inf-norm relative)."""
     return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
 
 
@@ -95,13 +96,13 @@ def run_gate(lm_or_model: Any, chunk_len: int = 64, offsets: Sequence[int] = DEF
             continue
         ref = prefill(model, ids, positions=target)
         ref_rot = rotated_vectors(ref, infos)  # keys, or MLA's k_pe
-        key_errs = [_rel(a, b) for a, b in zip(rotated_vectors(moved, infos), ref_rot)]
+        key_errs = [relative_error(a, b) for a, b in zip(rotated_vectors(moved, infos), ref_rot)]
         logit_rel, control_logit_rel = 0.0, 0.0
         for j in range(1, suffix_len + 1):  # logits after each prefix of the suffix, all states at once
             lg = read_logits(model, [moved, ref, unrotated], suffix[:j],
                              suffix_positions=range(off + chunk_len, off + chunk_len + j))
-            logit_rel = max(logit_rel, _rel(lg[0], lg[1]))
-            control_logit_rel = max(control_logit_rel, _rel(lg[2], lg[1]))
+            logit_rel = max(logit_rel, relative_error(lg[0], lg[1]))
+            control_logit_rel = max(control_logit_rel, relative_error(lg[2], lg[1]))
         deep_allowed = deep_tol + FP32_ANGLE_EPS * (off + chunk_len + suffix_len)
         row = {
             "offset": off,
@@ -109,7 +110,7 @@ def run_gate(lm_or_model: Any, chunk_len: int = 64, offsets: Sequence[int] = DEF
             "key_rel_all": max(key_errs),
             "key_rel_by_layer": key_errs,
             "logit_rel": logit_rel,
-            "no_rotation_key_rel": _rel(rotated_vectors(unrotated, infos)[0], ref_rot[0]),
+            "no_rotation_key_rel": relative_error(rotated_vectors(unrotated, infos)[0], ref_rot[0]),
             "no_rotation_logit_rel": control_logit_rel,
             "deep_tol": deep_allowed,
         }

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from kvprobe.errors import KVProbeError
-from kvprobe.kv.gate import _rel  # the gate's error measure, so both reports compare alike
+from kvprobe.kv.gate import relative_error  # the gate's measure, so both reports compare alike
 from kvprobe.kv.readout import prefill, read_logits
 from kvprobe.models.arch import arch_spec
 
@@ -94,10 +94,10 @@ def compare_window_policies(model: torch.nn.Module, chunk_len: int, offset: int,
         "offset": offset,
         "sliding_layers": len(sliding),
         "full_kv": {"slots_per_sliding_layer": chunk_len, "kv_bytes": full.nbytes(),
-                    "append_logit_rel": _rel(kv_append, ref_append),
-                    "prefix_splice_tokens": k, "prefix_splice_logit_rel": _rel(kv_prefix, ref_prefix)},
+                    "append_logit_rel": relative_error(kv_append, ref_append),
+                    "prefix_splice_tokens": k, "prefix_splice_logit_rel": relative_error(kv_prefix, ref_prefix)},
         "truncating": {"slots_per_sliding_layer": min(trunc_slots), "kv_bytes": trunc_bytes,
-                       "append_logit_rel": _rel(tr_append, ref_append),
+                       "append_logit_rel": relative_error(tr_append, ref_append),
                        "prefix_splice_tokens": k,
                        "prefix_splice_logit_rel": None,
                        "prefix_splice": f"unavailable: sliding layers keep only the last {min(trunc_slots)} of "

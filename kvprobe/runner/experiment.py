@@ -88,12 +88,13 @@ def task_template_sha(cfg: RunConfig) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.exists() else ""
 
 
-def record_hash(cfg: RunConfig, params: BaseModel) -> str:
+def record_hash(cfg: RunConfig, params: BaseModel, template_sha: str | None = None) -> str:
     """The record's name: the config plus the task template's content plus the params as resolved.
 
     Resolved means defaults included, so editing a template or changing a default in code makes a new
     record, never a silent mix with (or a refusal on) an old one."""
-    return cfg.hash(extra=task_template_sha(cfg), params=params.model_dump(mode="json"))
+    sha = task_template_sha(cfg) if template_sha is None else template_sha
+    return cfg.hash(extra=sha, params=params.model_dump(mode="json"))
 
 
 def run_experiment(cfg: RunConfig, overwrite: bool = False, fresh: bool = False, lm: Any = None,
@@ -105,7 +106,7 @@ def run_experiment(cfg: RunConfig, overwrite: bool = False, fresh: bool = False,
     params = validate_params(exp.params, cfg.params, config_source)
     template_sha = task_template_sha(cfg)
     resolved_params = params.model_dump(mode="json")
-    chash = record_hash(cfg, params)
+    chash = record_hash(cfg, params, template_sha)
     path = record_path(cfg.output_dir, exp.name, cfg.model, chash)
     writer = RecordWriter(path, overwrite=overwrite, fresh=fresh)  # refuses before any model is loaded
     t0 = time.perf_counter()
