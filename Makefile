@@ -1,6 +1,7 @@
 # kvprobe — every target installs what it needs into .venv first.
 SHELL := /bin/bash
 VENV ?= .venv
+PYTHON ?= python3
 PY := $(VENV)/bin/python
 MODEL ?= smollm2-135m
 ARGS ?=
@@ -24,7 +25,7 @@ help:
 	@echo "make models                      list model aliases and whether their weights are here"
 
 $(STAMP): pyproject.toml constraints.txt
-	test -x $(PY) || python3 -m venv $(VENV)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'

@@ -19,13 +19,24 @@ def test_readout_matches_full_forward_on_smollm(smollm):
     assert (got - full).abs().max() < 1e-3
 
 
+# fp32 noise between two reads of the same cache state (another batch slot, another prefill of an identical
+# prefix, another CPU's SIMD reduction order) is ~1e-5 nats on this model's ~10-30-nat logits; 1e-4 nats leaves
+# a margin and is still far below any effect we report. Compared in nats, not as recovery ratios: a ratio over a
+# 0.03-nat flip would magnify the same noise 30-fold.
+IDENTITY_TOL_NATS = 1e-4
+
+
 def test_locality_identities_on_smollm(smollm, tmp_path):
     cfg = load_config("configs/locality.yaml", {"task": {"n_instances": 2}, "output_dir": str(tmp_path)})
     _, record = run_experiment(cfg, lm=smollm, progress=False)
     for row in record["rows"]:
-        assert abs(row["stale"]) < 1e-6 and abs(row["oracle"] - 1) < 1e-6
-        assert abs(row["full_downstream"] - 1) < 0.05  # exact in theory; the flips here are tiny (~0.05 nats)
-        assert abs(row["full_downstream_ld"] - row["oracle_ld"]) < 1e-3
+        flip = row["flip"]  # the anchors' oracle minus stale logit difference
+        # each state's distance in nats from the anchor it equals by construction: (recovery - target) * flip
+        assert abs(row["stale"] * flip) < IDENTITY_TOL_NATS
+        assert abs((row["oracle"] - 1) * flip) < IDENTITY_TOL_NATS
+        # full-downstream replaces every slot from the field on; the prefix is the same tokens in both prompts
+        assert abs((row["full_downstream"] - 1) * flip) < IDENTITY_TOL_NATS
+        assert abs(row["full_downstream_ld"] - row["oracle_ld"]) < IDENTITY_TOL_NATS
     assert record["summary"]["gate"]["min_flip"] == 0.5
 
 

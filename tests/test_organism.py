@@ -7,7 +7,7 @@ import torch
 
 from kvprobe.errors import KVProbeError
 from kvprobe.models.registry import ModelEntry
-from kvprobe.organism.adapter import load_organism
+from kvprobe.models.loading import load_organism
 from kvprobe.organism.train import Recipe, check_disjoint, counterfactual_rule, split_scenarios, train_organism
 
 

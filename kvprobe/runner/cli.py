@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -20,12 +21,20 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.output_dir:
         overrides["output_dir"] = args.output_dir
     cfg = load_config(args.config, overrides)
+    if args.offline:
+        os.environ["HF_HUB_OFFLINE"] = "1"  # transformers' own hub lookups honour it too
     path, record = run_experiment(cfg, overwrite=args.overwrite, fresh=args.fresh, progress=not args.quiet,
-                                  config_source=args.config)
+                                  config_source=args.config, offline=True if args.offline else None,
+                                  tol_nats=args.tol_nats)
     exp = get_experiment(cfg.experiment)
     if exp.table is not None:
         print(exp.table(record["summary"]))
     print(f"record: {path}")
+    if "reproduction" in record:
+        from kvprobe.runner.reproduce import reproduction_table
+
+        print(reproduction_table(record["reproduction"]))
+        print("(this config's record is committed, so this run went to runs/; --overwrite replaces the committed one)")
     return 0
 
 
@@ -73,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--overwrite", action="store_true", help="replace a finished record of the same config")
     run.add_argument("--fresh", action="store_true", help="discard a partial run instead of resuming it")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.add_argument("--offline", action="store_true",
+                     help="never download weights (as HF_HUB_OFFLINE=1): a paper alias must be in the local HF cache")
+    run.add_argument("--tol-nats", type=float, default=None,
+                     help="reproduction-check tolerance on logit differences (default 1e-3 nats)")
     run.set_defaults(func=_cmd_run)
 
     models = sub.add_parser("models", help="list model aliases, their source and whether weights are here")

@@ -8,6 +8,8 @@ runner does everything else: config, model, instances, progress, resume, gate bo
 from __future__ import annotations
 
 import importlib
+import json
+import logging
 import pkgutil
 import time
 from collections.abc import Callable
@@ -20,7 +22,9 @@ from tqdm.auto import tqdm
 
 from kvprobe.errors import KVProbeError
 from kvprobe.runner.config import RunConfig, validate_params
-from kvprobe.runner.records import RecordWriter, git_commit, package_versions, record_path
+from kvprobe.runner.records import RecordWriter, _clean, git_commit, package_versions, record_path
+
+log = logging.getLogger(__name__)
 
 
 class NoParams(BaseModel):
@@ -52,6 +56,9 @@ class Experiment:
     # values to set beside them, keyed by task template stem ("gated", "polarity", "twohop", ...).
     headline: Callable[[dict[str, Any]], str] | None = None
     paper: dict[str, str] = field(default_factory=dict)
+    # The paper's testable claims about this experiment (kvprobe.claims.Claim), evaluated from records by
+    # `kvprobe claims`; each names the task template stem it applies to, like ``paper``.
+    claims: tuple[Any, ...] = ()
 
 
 def available_experiments() -> dict[str, str]:
@@ -97,10 +104,22 @@ def record_hash(cfg: RunConfig, params: BaseModel, template_sha: str | None = No
     return cfg.hash(extra=sha, params=params.model_dump(mode="json"))
 
 
+def verification_dir(output_dir: str | Path) -> Path:
+    """Where a rerun of an already-recorded config goes: ``runs/`` beside the results folder (gitignored)."""
+    return Path(output_dir).parent / "runs"
+
+
 def run_experiment(cfg: RunConfig, overwrite: bool = False, fresh: bool = False, lm: Any = None,
-                   progress: bool = True, config_source: str = "<config>") -> tuple[Path, dict[str, Any]]:
-    """Run ``cfg`` end to end and return (record path, record). Refuses to clobber a finished record."""
+                   progress: bool = True, config_source: str = "<config>", offline: bool | None = None,
+                   tol_nats: float | None = None) -> tuple[Path, dict[str, Any]]:
+    """Run ``cfg`` end to end and return (record path, record).
+
+    If ``results/`` already holds the record of this exact config and ``overwrite`` is not given, the run is
+    a reproduction: it is written under ``runs/`` (untracked) and the returned record carries a
+    ``reproduction`` block comparing it with the committed one (:mod:`kvprobe.runner.reproduce`)."""
     import torch
+
+    from kvprobe.runner.reproduce import DEFAULT_TOL_NATS, compare_records
 
     exp = get_experiment(cfg.experiment)
     params = validate_params(exp.params, cfg.params, config_source)
@@ -108,12 +127,18 @@ def run_experiment(cfg: RunConfig, overwrite: bool = False, fresh: bool = False,
     resolved_params = params.model_dump(mode="json")
     chash = record_hash(cfg, params, template_sha)
     path = record_path(cfg.output_dir, exp.name, cfg.model, chash)
-    writer = RecordWriter(path, overwrite=overwrite, fresh=fresh)  # refuses before any model is loaded
+    reference: Path | None = None
+    if path.exists() and not overwrite:
+        reference, path = path, record_path(verification_dir(cfg.output_dir), exp.name, cfg.model, chash)
+        if path.exists():
+            log.warning("replacing the earlier reproduction run %s (an untracked copy; the committed record "
+                        "%s is left as it is)", path, reference)
+    writer = RecordWriter(path, overwrite=overwrite or reference is not None, fresh=fresh)
     t0 = time.perf_counter()
     if lm is None:
         from kvprobe.models.loading import load_model
 
-        lm = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed)
+        lm = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed, offline=offline)
     t_load = time.perf_counter() - t0
     torch.manual_seed(cfg.seed)
     ctx = Context(cfg=cfg, params=params, lm=lm)
@@ -147,4 +172,8 @@ def run_experiment(cfg: RunConfig, overwrite: bool = False, fresh: bool = False,
         "rows": rows,
         "timings": {"load_s": round(t_load, 3), "run_s": round(t_run, 3), "resumed_instances": resumed},
     }
+    if reference is not None:
+        check = compare_records(json.loads(reference.read_text()), _clean(record),
+                                tol_nats=DEFAULT_TOL_NATS if tol_nats is None else tol_nats)
+        record["reproduction"] = {"reference": str(reference), **check.to_dict()}
     return writer.finish(record), record
