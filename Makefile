@@ -21,7 +21,7 @@ help:
 	@echo "make gate MODEL=alias_or_dir    RoPE re-rotation correctness gate"
 	@echo "make test                        install and run the test suite (slow model tests included)"
 	@echo "make figures                     render every figure from the records in results/"
-	@echo "make report                      markdown results table (headline numbers) from the records in results/"
+	@echo "make report                      regenerate the tables in README.md and RESULTS.md from the records in results/"
 	@echo "make models                      list model aliases and whether their weights are here"
 
 $(STAMP): pyproject.toml constraints.txt
@@ -48,7 +48,7 @@ figures: $(STAMP)
 	$(PY) -m kvprobe figures
 
 report: $(STAMP)
-	$(PY) -m kvprobe report
+	$(PY) -m kvprobe report --write README.md RESULTS.md
 
 models: $(STAMP)
 	$(PY) -m kvprobe models

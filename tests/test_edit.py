@@ -64,7 +64,13 @@ def test_recompute_counts_are_exact(tiny_lm):
     for name, (res, n) in cases.items():
         assert (res.recomputed_tokens, res.total_tokens, res.needs_prompt_surgery) == (n, 24, False), name
         assert res.state.length == 24 and torch.equal(res.state.positions, e.stale.positions)
-    field = cases["cacheblend"][0].state.select([8, 9])  # the field is always among CacheBlend's tokens
+    # CacheBlend's deviation pass runs the 16 tokens from the field on through layers 0..1 of 4: 8 token-layers'
+    # worth, counted in its recompute beside the 6 full-depth tokens; no other method has a partial pass
+    blend = cases["cacheblend"][0]
+    assert blend.partial_pass_tokens == 16 * 2 / tiny_lm.spec.n_layers
+    assert blend.recompute_fraction == (6 + blend.partial_pass_tokens) / 24
+    assert all(res.partial_pass_tokens == 0 for name, (res, _) in cases.items() if name != "cacheblend")
+    field = blend.state.select([8, 9])  # the field is always among CacheBlend's tokens
     assert field.max_abs_diff(cases["in_place"][0].state.select([8, 9])) < TOL
     with pytest.raises(Exception):
         edit.field_selective(tiny_lm, e, [3], 1)  # not downstream

@@ -31,7 +31,7 @@ Appending edits (the prompt grows; only the new tokens are new work):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -46,19 +46,24 @@ from kvprobe.tasks.edits import common_prefix_len
 class EditResult:
     state: KVState
     suffix_ids: list[int]
-    recomputed_tokens: int
+    recomputed_tokens: int  # tokens run through every layer
     total_tokens: int
     needs_prompt_surgery: bool = False
     detail: dict[str, Any] = field(default_factory=dict, compare=False)
+    # Tokens run through only some layers, weighted by the fraction of layers they cross (CacheBlend's
+    # deviation pass: every token from the field on, through layers 0..check_layer). Counted in the recompute.
+    partial_pass_tokens: float = 0.0
 
     @property
     def recompute_fraction(self) -> float:
-        return self.recomputed_tokens / self.total_tokens if self.total_tokens else 0.0
+        """(full-depth tokens + layer-weighted partial-pass tokens) / tokens of the prompt answered."""
+        done = self.recomputed_tokens + self.partial_pass_tokens
+        return done / self.total_tokens if self.total_tokens else 0.0
 
     def row(self) -> dict[str, Any]:
-        return {"recomputed_tokens": self.recomputed_tokens, "total_tokens": self.total_tokens,
-                "recompute_fraction": self.recompute_fraction, "needs_prompt_surgery": self.needs_prompt_surgery,
-                **self.detail}
+        return {"recomputed_tokens": self.recomputed_tokens, "partial_pass_tokens": self.partial_pass_tokens,
+                "total_tokens": self.total_tokens, "recompute_fraction": self.recompute_fraction,
+                "needs_prompt_surgery": self.needs_prompt_surgery, **self.detail}
 
 
 @dataclass(frozen=True)
@@ -241,9 +246,10 @@ def cacheblend(lm: Any, e: FieldEdit, ratio: float, check_layer: int = 1) -> Edi
     n = max(len(e.field_slots), min(e.length - e.field_start, round(ratio * e.length)))
     ranked = [e.field_start + int(i) for i in torch.argsort(dev, descending=True, stable=True).tolist()]
     chosen = list(e.field_slots) + [s for s in ranked if s not in set(e.field_slots)][: n - len(e.field_slots)]
-    return _recomputed(lm, e, chosen, ratio=ratio, check_layer=check_layer,
-                       check_pass_tokens=e.length - e.field_start,
-                       field_in_top_deviation=bool(set(ranked[: len(e.field_slots)]) == set(e.field_slots)))
+    check_pass = e.length - e.field_start
+    res = _recomputed(lm, e, chosen, ratio=ratio, check_layer=check_layer, check_pass_tokens=check_pass,
+                      field_in_top_deviation=bool(set(ranked[: len(e.field_slots)]) == set(e.field_slots)))
+    return replace(res, partial_pass_tokens=check_pass * (check_layer + 1) / lm.spec.n_layers)
 
 
 def rank_downstream_by_effect(lm: Any, pp: Any, batch_size: int = 64) -> list[int]:

@@ -60,11 +60,20 @@ def _cmd_figures(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from kvprobe.runner.report import markdown_table, report_rows
+    from kvprobe.runner.report import markdown_table, report_rows, stale_documents, write_documents
 
     rows = report_rows(args.results, args.experiment)
     if not rows:
         raise KVProbeError(f"no records under {args.results}/ (run an experiment first: make exp-locality)")
+    if args.check:
+        stale = stale_documents(args.check, args.results)
+        for p in stale:
+            print(f"{p}: its generated blocks differ from the records (run `make report`)")
+        return 1 if stale else 0
+    if args.write:
+        changed = write_documents(args.write, args.results)
+        print("regenerated: " + (", ".join(map(str, changed)) if changed else "nothing changed"))
+        return 0
     print(markdown_table(rows))
     return 0
 
@@ -99,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="markdown results table: headline numbers of the newest records")
     report.add_argument("--results", default="results")
     report.add_argument("--experiment", action="append", help="only this experiment (repeatable)")
+    report.add_argument("--write", nargs="+", metavar="FILE",
+                        help="regenerate the <!-- kvprobe:NAME --> blocks of these markdown files in place")
+    report.add_argument("--check", nargs="+", metavar="FILE",
+                        help="exit 1 if these files' generated blocks differ from the records")
     report.set_defaults(func=_cmd_report)
 
     from kvprobe.runner import extra_commands

@@ -7,8 +7,12 @@ matter) and ``paper`` (the paper's values for the same measure).
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from kvprobe.errors import KVProbeError
 
 from kvprobe.runner.experiment import available_experiments, get_experiment
 from kvprobe.runner.records import load_records
@@ -56,3 +60,65 @@ def markdown_table(rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+# -- generated blocks in README.md and RESULTS.md -------------------------------------------------------------
+# A block is the text between `<!-- kvprobe:NAME -->` and `<!-- /kvprobe:NAME -->`; `kvprobe report --write`
+# regenerates each from the records and leaves the prose around it alone, and a test checks that the committed
+# files equal their regeneration, so no number in a generated block can drift from the records.
+
+_BLOCK = re.compile(r"(<!-- kvprobe:(?P<name>[a-z_]+) -->\n)(?P<body>.*?)(<!-- /kvprobe:(?P=name) -->)", re.S)
+
+
+def headline_table(results_dir: str | Path = "results", experiment: str = "locality", task: str = "gated") -> str:
+    """The README's short table: one experiment's headline on every model (default: locality, Fig. 3a)."""
+    rows = [r for r in report_rows(results_dir, [experiment]) if r[1] == task]
+    cols = ("model", "gated / all", "oracle flip median (nats)", "headline (mean [95% CI])")
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(c.replace("|", "/") for c in (r[2], r[3], r[4], r[5])) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _claims_block(results_dir: str | Path) -> str:
+    try:
+        from kvprobe.claims import claims_markdown
+    except ImportError:  # claims land with their own module; until then the block says so
+        return "(claims table not available)"
+    return claims_markdown(results_dir)
+
+
+GENERATORS: dict[str, Callable[[str | Path], str]] = {
+    "report": lambda d: markdown_table(report_rows(d)),
+    "headlines": headline_table,
+    "claims": _claims_block,
+}
+
+
+def refresh_markdown(text: str, results_dir: str | Path = "results") -> str:
+    """``text`` with every generated block rebuilt from the records under ``results_dir``."""
+    def fill(m: re.Match[str]) -> str:
+        name = m.group("name")
+        if name not in GENERATORS:
+            raise KVProbeError(f"unknown generated block 'kvprobe:{name}': one of {', '.join(GENERATORS)}")
+        return f"{m.group(1)}{GENERATORS[name](results_dir).rstrip()}\n{m.group(4)}"
+
+    return _BLOCK.sub(fill, text)
+
+
+def stale_documents(paths: Sequence[str | Path], results_dir: str | Path = "results") -> list[Path]:
+    """Which of ``paths`` differ from their regeneration."""
+    return [Path(p) for p in paths if refresh_markdown(Path(p).read_text(), results_dir) != Path(p).read_text()]
+
+
+def write_documents(paths: Sequence[str | Path], results_dir: str | Path = "results") -> list[Path]:
+    """Regenerate the blocks of ``paths`` in place (atomically); returns the files that changed."""
+    changed = []
+    for p in map(Path, paths):
+        old = p.read_text()
+        new = refresh_markdown(old, results_dir)
+        if new != old:
+            tmp = p.with_name(p.name + ".tmp")
+            tmp.write_text(new)
+            tmp.replace(p)
+            changed.append(p)
+    return changed

@@ -1,0 +1,36 @@
+"""The README stays a newcomer's page and the generated tables in README.md / RESULTS.md match the records."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from kvprobe.errors import KVProbeError
+from kvprobe.runner.report import refresh_markdown, stale_documents
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_generated_blocks_match_the_committed_records():
+    docs = [REPO / "README.md", REPO / "RESULTS.md"]
+    assert stale_documents(docs, REPO / "results") == [], "run `make report` and commit README.md / RESULTS.md"
+    for doc in docs:  # every block was generated, none left as a placeholder
+        assert "(generated)" not in doc.read_text()
+
+
+def test_refresh_rewrites_only_the_blocks(tmp_path):
+    text = "prose 1\n<!-- kvprobe:headlines -->\nold numbers\n<!-- /kvprobe:headlines -->\nprose 2\n"
+    out = refresh_markdown(text, REPO / "results")
+    assert out.startswith("prose 1\n<!-- kvprobe:headlines -->\n| model |") and out.endswith("prose 2\n")
+    assert "old numbers" not in out and "smollm2-135m" in out
+    with pytest.raises(KVProbeError, match="unknown generated block"):
+        refresh_markdown("<!-- kvprobe:nope -->\nx\n<!-- /kvprobe:nope -->", REPO / "results")
+
+
+def test_readme_has_exactly_the_two_setup_commands():
+    readme = (REPO / "README.md").read_text()
+    setup = readme.split("## Set up", 1)[1].split("##", 1)[0]
+    block = re.search(r"```\n(.*?)```", setup, re.S).group(1)
+    assert block.split("\n")[:-1] == ["make exp-locality", "make test"]
+    assert len(readme) < 20_000  # full results live in RESULTS.md
+    assert "make test" in (REPO / ".ci" / "run").read_text()
