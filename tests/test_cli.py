@@ -5,13 +5,14 @@ import json
 from kvprobe.runner.cli import main
 
 
-def test_run_locality_end_to_end_then_refuse_then_overwrite(tiny_text_dir, tmp_path, capsys):
-    args = ["run", "configs/locality.yaml", "--model", str(tiny_text_dir), "--output-dir", str(tmp_path),
+def test_run_locality_end_to_end_then_reproduce_then_overwrite(tiny_text_dir, tmp_path, capsys):
+    results = tmp_path / "results"
+    args = ["run", "configs/locality.yaml", "--model", str(tiny_text_dir), "--output-dir", str(results),
             "--set", "task.n_instances=3", "--set", "gate.min_flip=0", "--quiet"]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "full_downstream" in out and "record:" in out
-    records = list(tmp_path.glob("locality/*/*.json"))
+    records = list(results.glob("locality/*/*.json"))
     assert len(records) == 1
     rec = json.loads(records[0].read_text())
     assert rec["summary"]["n_instances"] == 3 and len(rec["rows"]) == 3
@@ -20,12 +21,16 @@ def test_run_locality_end_to_end_then_refuse_then_overwrite(tiny_text_dir, tmp_p
         assert abs(row["full_downstream"] - 1) < 1e-3 and abs(row["stale"]) < 1e-3 and abs(row["oracle"] - 1) < 1e-3
     for key in ("git", "packages", "model", "seed", "timings"):
         assert key in rec
-    # Same config again: refused, nothing written.
-    assert main(args) == 2
-    assert "already exists" in capsys.readouterr().err
+    committed = records[0].read_bytes()
+    # Same config again: a reproduction run in runs/, checked against the record, which stays as it was.
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "reproduction check" in out and "verdict: reproduced" in out
+    assert records[0].read_bytes() == committed
+    assert (tmp_path / "runs" / records[0].relative_to(results)).exists()
     assert main(args + ["--overwrite"]) == 0
     capsys.readouterr()
-    assert main(["report", "--results", str(tmp_path)]) == 0
+    assert main(["report", "--results", str(results)]) == 0
     table = capsys.readouterr().out.splitlines()
     assert len(table) == 3 and table[2].startswith("| locality | gated | ") and "full-downstream 1.00" in table[2]
 
