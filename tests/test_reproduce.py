@@ -39,6 +39,10 @@ def test_a_logit_difference_beyond_tolerance_differs():
 def test_discrete_changes_and_missing_instances_differ():
     assert compare_records(record(ROW), record(ROW | {"included": True})).verdict == "differs"
     assert compare_records(record(ROW), record(ROW | {"curve": [0.1, 0.5]})).verdict == "differs"
+    removed = {k: v for k, v in ROW.items() if k != "field_only_ld"}
+    assert compare_records(record(ROW), record(removed)).verdict == "differs"
+    added = compare_records(record(ROW), record(ROW | {"n_downstream": 600}))
+    assert added.verdict == "reproduced" and added.added_fields == {"n_downstream"}
     check = compare_records(record(ROW, ROW | {"index": 1}), record(ROW))
     assert check.verdict == "differs" and "instance 1" in check.mismatches[0]
     table = reproduction_table(check.to_dict())

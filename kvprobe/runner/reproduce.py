@@ -13,7 +13,8 @@ What is compared, per instance (rows matched by ``index``):
   a few hundredths of a nat magnifies fp32 noise, so recovery differences are shown over all instances and
   over the included ones (whose flips pass the inclusion threshold);
 - other numbers (cosines, accuracies, ...): reported and judged at ``tol_other``.
-Timings (``seconds``) are ignored.
+Timings (``seconds``) are ignored; a field the committed record lacks (added by newer code) is listed, not
+judged; a field the new run lacks is a mismatch.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class ReproductionCheck:
     recovery_included: dict[str, float] = field(default_factory=dict)  # same, included instances only
     other: dict[str, float] = field(default_factory=dict)
     mismatches: list[str] = field(default_factory=list)  # discrete fields that differ, missing instances
+    added_fields: set[str] = field(default_factory=set)  # in the new rows only (reported, not judged)
 
     @property
     def reproduced(self) -> bool:
@@ -79,7 +81,7 @@ class ReproductionCheck:
                 "n_reference": self.n_reference, "n_new": self.n_new, "max_abs_diff_nats": self.nats,
                 "max_abs_diff_recovery_all": self.recovery_all,
                 "max_abs_diff_recovery_included": self.recovery_included, "max_abs_diff_other": self.other,
-                "mismatches": self.mismatches[:20]}
+                "mismatches": self.mismatches[:20], "added_fields": sorted(self.added_fields)}
 
 
 def reproduction_table(rep: Mapping[str, Any]) -> str:
@@ -97,6 +99,8 @@ def reproduction_table(rep: Mapping[str, Any]) -> str:
     for k, v in sorted(rep["max_abs_diff_other"].items(), key=lambda kv: -kv[1])[:5]:
         lines.append(f"{k:<40}{v:.2e}")
     lines += [f"mismatch: {m}" for m in rep["mismatches"][:5]]
+    if rep.get("added_fields"):
+        lines.append(f"fields the committed record does not have (not compared): {', '.join(rep['added_fields'])}")
     lines.append(f"verdict: {rep['verdict']} (tolerance {rep['tol_nats']:g} nats on logit differences, "
                  f"{rep['tol_other']:g} on other numbers; discrete fields must match; "
                  f"{rep['n_new']} of {rep['n_reference']} instances compared)")
@@ -128,8 +132,11 @@ def compare_records(reference: Mapping[str, Any], new: Mapping[str, Any], tol_na
         states = {k.removesuffix("_ld") for k in a_flat if k.endswith("_ld") and "." not in k}
         included = bool(a_row.get("included"))
         for key in sorted(set(a_flat) | set(b_flat)):
-            if key not in a_flat or key not in b_flat:
-                check.mismatches.append(f"instance {idx}: '{key}' is in only one record")
+            if key not in b_flat:
+                check.mismatches.append(f"instance {idx}: '{key}' is missing from the new run")
+                continue
+            if key not in a_flat:  # a field newer code adds contradicts nothing the record holds
+                check.added_fields.add(key)
                 continue
             a, b = a_flat[key], b_flat[key]
             if isinstance(a, bool) or isinstance(b, bool) or isinstance(a, str) or isinstance(b, str):
