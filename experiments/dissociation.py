@@ -19,6 +19,7 @@ from typing import Any
 
 from kvprobe.patching.pairs import PairPrefill
 from kvprobe.patching.ranking import decode_token
+from kvprobe.claims import Claim, near
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.runner.probe_common import case_row, polarity_instances, probe_case
 from kvprobe.runner.summary import format_recovery_table, gate_summary, headline_stats, recovery_summary
@@ -49,4 +50,11 @@ EXPERIMENT = Experiment(name="dissociation", doc=__doc__, run_instance=run_insta
                         make_instances=polarity_instances, table=lambda s: format_recovery_table(s, STATES),
                         headline=lambda s: headline_stats(s, "recovery", {"trigger_only": "trigger-only",
                                                                         "notes": "notes"}),
-                        paper={"polarity": "trigger-only -0.007 to +0.007 vs notes 0.998-1.009 (Tab. 4 left)"})
+                        paper={"polarity": "trigger-only -0.007 to +0.007 vs notes 0.998-1.009 (Tab. 4 left)"},
+                        claims=(near("trigger_only_zero", "trigger-only recovery ~ 0 (field held identical)",
+                                     "-0.007 to +0.007 (Tab. 4)", "trigger_only", 0.0, 0.0, template="polarity",
+                                     paper_range=(-0.007, 0.007)),
+                                near("notes_one", "notes recovery ~ 1 (field held identical)", "0.998-1.009 (Tab. 4)",
+                                     "notes", 1.0, 1.0035, template="polarity", paper_range=(0.998, 1.009)),
+                                Claim("trigger_and_notes_one", "trigger+notes = oracle", "1 (construction)",
+                                      "identity", "trigger_and_notes", paper_value=1.0, template="polarity")))

@@ -33,6 +33,7 @@ from kvprobe.patching.pairs import measure
 from kvprobe.patching.ranking import rank_downstream
 from kvprobe.runner.edit_summary import (base_row, edit_case, edit_gate_summary, format_methods_table,
                                          method_entry, methods_headline, methods_summary, read_ld)
+from kvprobe.claims import Claim
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.tasks.edits import erratum_body, erratum_line, hoisted_body, prompt_ids
 
@@ -131,4 +132,13 @@ EXPERIMENT = Experiment(name="edit_frontier", doc=__doc__, params=Params, run_in
                         + f"; K* (selective@K recovery >= 0.9) {s['k_star']}",
                         paper={"gated": "P(correct) @recompute, Qwen3-8B (Tab. 6): full reprefill 1.00 @100%, "
                                         "hoist-to-end 1.00 @5.2% (surgery), field+erratum 1.00 @12.6%, erratum 1.00 "
-                                        "@12.0%, CacheBlend@15% 0.13 @14.5%, in_place 0.00 @0.6%, stale 0.00 @0%"})
+                                        "@12.0%, CacheBlend@15% 0.13 @14.5%, in_place 0.00 @0.6%, stale 0.00 @0%"},
+                        claims=(Claim("erratum_vs_reprefill", "erratum decides as full reprefill", "1.00 vs 1.00 "
+                                      "(Tab. 6)", "agrees", "methods.erratum.correct", "methods.full_reprefill.correct",
+                                      paper_value=1.0, bound=0.9),
+                                Claim("erratum_vs_in_place", "erratum beats in-place P(correct)", "1.00 vs 0.00 (Tab. "
+                                      "6; McNemar p=0.031, Sec. 7)", "greater", "methods.erratum.correct",
+                                      "methods.in_place.correct", paper_value=1.0),
+                                Claim("erratum_vs_cacheblend", "erratum beats CacheBlend@15% P(correct)", "1.00 vs "
+                                      "0.13 (Tab. 6)", "greater", "methods.erratum.correct",
+                                      "methods.cacheblend@15%.correct", paper_value=0.87)))

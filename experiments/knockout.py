@@ -22,12 +22,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvprobe.patching.ablation import ablation_donor
-from kvprobe.patching.ranking import (count_grid, describe_positions, position_bands, random_positions,
-                                      rank_downstream, sweep_recovery)
-from kvprobe.patching.sweep import KVPatch
+from kvprobe.patching.ranking import count_grid, describe_positions, position_bands, random_positions, rank_downstream
+from kvprobe.probes import KV, case_row, ld_from_recovery, probe_case, same_decision, sweep
+from kvprobe.claims import Claim
 from kvprobe.runner.experiment import Context, Experiment
-from kvprobe.runner.probe_common import (case_row, curve_summary, curves_table, ld_from_recovery, probe_case,
-                                         same_decision)
+from kvprobe.runner.probe_common import curve_summary, curves_table
 from kvprobe.runner.summary import gate_summary, headline_stats
 
 CURVES = ("knockout_top", "knockout_random", "knockout_band", "reverts_top")
@@ -55,17 +54,20 @@ def run_instance(ctx: Context, inst: Any) -> dict[str, Any]:
     draws = {label: random_positions(down, k, p.random_draws, (ctx.cfg.seed, inst.index, k))
              for label, k in grid if 0 < k < len(down)}
     bands = position_bands(down, p.position_bands)
-    sets = [ranking.top(k) for _, k in grid] + [d for label in draws for d in draws[label]] + bands
-    rec = sweep_recovery(lm, pp, anchor, [KVPatch.of(s) for s in sets], bs, base=pp.new, donor=donor).tolist()
-    toward = [1 - r for r in rec]
-    lds = ld_from_recovery(anchor, rec)
-    n, d = len(grid), p.random_draws
-    rand = {label: sum(toward[n + i * d: n + (i + 1) * d]) / d for i, label in enumerate(draws)}
+    patches = {f"top:{label}": KV.of(ranking.top(k), source="ablation") for label, k in grid}
+    patches.update({f"rand:{label}:{j}": KV.of(s, source="ablation") for label in draws
+                    for j, s in enumerate(draws[label])})
+    patches.update({f"band:{i}": KV.of(b, source="ablation") for i, b in enumerate(bands)})
+    rec = sweep(lm, case, patches, batch_size=bs, base="oracle", sources={"ablation": donor})
+    toward = {k: 1 - r for k, r in rec.items()}
+    top = {label: toward[f"top:{label}"] for label, _ in grid}
+    lds = ld_from_recovery(anchor, [rec[f"top:{label}"] for label, _ in grid])
     return {**case_row(ctx, inst, case), "ablation": p.ablation, "rank_by": p.rank_by,
-            "knockout_top": {label: toward[i] for i, (label, _) in enumerate(grid)},
-            "reverts_top": dict(zip([label for label, _ in grid], same_decision(anchor, lds[:n], "stale"))),
-            "knockout_random": rand,
-            "knockout_band": {f"B{i}": toward[n + len(draws) * d + i] for i in range(len(bands))},
+            "knockout_top": top,
+            "reverts_top": dict(zip(top, same_decision(anchor, lds, "stale"))),
+            "knockout_random": {label: sum(toward[f"rand:{label}:{j}"] for j in range(p.random_draws)) / p.random_draws
+                                for label in draws},
+            "knockout_band": {f"B{i}": toward[f"band:{i}"] for i in range(len(bands))},
             "band_slots": [[b[0], b[-1]] for b in bands],
             "top": describe_positions(lm.tokenizer, case.pair.ids_old, ranking, p.decode_top, pp.field_slots[-1])}
 
@@ -90,4 +92,7 @@ EXPERIMENT = Experiment(name="knockout", doc=__doc__, params=Params, run_instanc
                         headline=lambda s: "return to stale, " + headline_stats(s, "knockout_top", {"1": "top-1", "8": "top-8"})
                         + "; random: " + headline_stats(s, "knockout_random", {"8": "rand-8"}),
                         paper={"gated": "ablating the top-effect tokens returns the decision to stale; the effect "
-                                        "grows with their number (Sec. 3 (4), no table)"})
+                                        "grows with their number (Sec. 3 (4), no table)"},
+                        claims=(Claim("knockout_top8_vs_rand8", "knocking out the top-8 moves the decision toward "
+                                      "stale more than 8 random", "returns to stale (no number)", "greater",
+                                      "knockout_top.8", "knockout_random.8"),))

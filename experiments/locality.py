@@ -19,10 +19,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvprobe.patching.pairs import measure, prefill_pair
+from kvprobe.probes import case_row, probe_case
+from kvprobe.claims import Claim, near
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.runner.summary import format_recovery_table, gate_summary, headline_stats, recovery_summary
-from kvprobe.tasks.gated import tokenize_pair
 
 STATES = ("stale", "field_only", "full_downstream", "oracle")
 
@@ -33,15 +33,10 @@ class Params(BaseModel):
 
 
 def run_instance(ctx: Context, inst: Any) -> dict[str, Any]:
-    lm = ctx.lm
-    pair = tokenize_pair(lm.tokenizer, inst, lm.has_chat_template)
-    pp = prefill_pair(lm, pair, ctx.params.readout_tokens)
-    states = {"stale": pp.stale(), "field_only": pp.field_only(), "full_downstream": pp.full_downstream(),
-              "oracle": pp.oracle()}
-    anchor, lds, rec = measure(lm, pp, states, ctx.cfg.batch_size)
-    return {**inst.row(), "n_tokens": len(pair), "field_slots": pair.field_slots, **anchor.row(),
-            "included": anchor.gate(ctx.cfg.gate.min_flip, ctx.cfg.gate.require_oracle_correct),
-            **{f"{k}_ld": v for k, v in lds.items()}, **rec}
+    case = probe_case(ctx, inst, lambda pp: {"stale": pp.stale(), "field_only": pp.field_only(),
+                                             "full_downstream": pp.full_downstream(), "oracle": pp.oracle()},
+                      readout_tokens=ctx.params.readout_tokens)
+    return case_row(ctx, inst, case)
 
 
 def summarize(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -54,9 +49,22 @@ def summarize(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
 EXPERIMENT = Experiment(name="locality", doc=__doc__, params=Params, run_instance=run_instance, summarize=summarize,
                         table=lambda s: format_recovery_table(s, STATES),
                         headline=lambda s: headline_stats(s, "recovery", {"field_only": "field-only",
-                                                                        "full_downstream": "full-downstream"}),
+                                                                        "full_downstream": "full-downstream (identity)"}),
                         paper={"gated": "field-only -0.028, full-downstream 1.0 (Llama-3.1-8B); 0.005 / 0.137 on "
                                         "Gemma-2-9B / Mistral-7B",
                                "twohop": "field-only -0.012 to +0.006, full-downstream 1.00",
                                "conversational": "field-only -0.012 to +0.054, full-downstream 1.00",
-                               "attribute": "field-only 0.25-0.63 (the field is partly a copy)"})
+                               "attribute": "field-only 0.25-0.63 (the field is partly a copy)"},
+                        claims=(
+                            near("field_only_zero", "field-only recovery ~ 0", "-0.028 (Llama-3.1-8B); 0.005 / "
+                                 "0.137 (Gemma-2 / Mistral)", "field_only", 0.0, -0.028),
+                            Claim("full_downstream_one", "full-downstream recovery = 1", "1.0", "identity",
+                                  "full_downstream", paper_value=1.0),
+                            Claim("oracle_one", "oracle recovery = 1", "1 (definition)", "identity", "oracle",
+                                  paper_value=1.0),
+                            near("field_only_zero", "field-only recovery ~ 0", "-0.012 to +0.006", "field_only",
+                                 0.0, -0.003, template="twohop", paper_range=(-0.012, 0.006)),
+                            near("field_only_zero", "field-only recovery ~ 0", "-0.012 to +0.054", "field_only",
+                                 0.0, 0.021, template="conversational", paper_range=(-0.012, 0.054)),
+                            near("field_only_partial", "field-only recovery in the paper's range", "0.25-0.63",
+                                 "field_only", 0.44, 0.44, template="attribute", paper_range=(0.25, 0.63))))

@@ -29,9 +29,8 @@ from kvprobe.kv.edit import recompute_slots
 from kvprobe.kv.readout import prefill, read_logits
 from kvprobe.metrics import logit_cosine, logit_diff
 from kvprobe.runner.edit_summary import base_row, edit_case, edit_gate_summary
-from kvprobe.runner.summary import ci_cell
+from kvprobe.runner.summary import ci_cell, summarize_column
 from kvprobe.runner.experiment import Context, Experiment
-from kvprobe.stats.bootstrap import summarize
 from kvprobe.tasks.edits import decision_char, erratum_body, erratum_line, prompt_ids, prompt_text, split_prompt_at
 
 
@@ -115,8 +114,9 @@ def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
     out["per_turn"] = [{"turn": i + 1, "agreement": float(agree[:, i].mean()), "cosine": float(cosine[:, i].mean()),
                         "cache_accuracy": float(grid("cache_correct")[:, i].mean()),
                         "reference_accuracy": float(grid("reference_correct")[:, i].mean())} for i in range(n_turns)]
-    out["agreement"] = summarize(agree.mean(axis=1).tolist(), seed=seed)
-    out["cosine"] = summarize(cosine.mean(axis=1).tolist(), seed=seed)
+    # per instance, the mean over turns; CIs resample scenarios (instances of one scenario share its wording)
+    out["agreement"] = summarize_column(used, agree.mean(axis=1).tolist(), seed=seed)
+    out["cosine"] = summarize_column(used, cosine.mean(axis=1).tolist(), seed=seed)
     out["agreement_slope_per_turn"] = _slope_ci(agree, ctx.params.n_boot, seed)
     out["cosine_slope_per_turn"] = _slope_ci(cosine, ctx.params.n_boot, seed)
     out["cosine_first_third"] = float(cosine[:, :third].mean())
@@ -134,8 +134,7 @@ def table(s: dict[str, Any]) -> str:
     return "\n".join([
         f"instances {s['n_instances']}, included {s['n_included']} (gate: flip >= {s['gate']['min_flip']}); "
         f"summary over {s['summary_over']}; scheme {s['scheme']}, {s['turns']} turns",
-        f"decision agreement {s['agreement']['mean']:.3f} "
-        f"[{s['agreement']['ci_low']:.3f}, {s['agreement']['ci_high']:.3f}]"
+        f"decision agreement {ci_cell(s['agreement'], 3)}"
         f", slope {a['slope']:+.4f}/turn [{a['ci_low']:+.4f}, {a['ci_high']:+.4f}]",
         f"logit cosine {s['cosine']['mean']:.4f}, first third {s['cosine_first_third']:.4f} -> last third "
         f"{s['cosine_last_third']:.4f}, slope {c['slope']:+.5f}/turn",

@@ -88,7 +88,7 @@ def table(s: dict[str, Any]) -> str:
     return (f"instances {s['n_instances']}, included {s['n_included']}; {s['n_layers']} layers\n"
             f"conclusion probe on the {s['aggregator']} aggregator (fit on {s['fit_on']}), accuracy per layer: {accs}\n"
             f"write depth (first layer >= {s['decodable_at']}): {write}\n"
-            f"commit depth (logit-lens sign settles, {w} instances): {c['mean']:.2f} [{c['ci_low']:.2f}, {c['ci_high']:.2f}]\n"
+            f"commit depth (logit-lens sign settles, {w} instances): {ci_cell(c)}\n"
             f"written before committed: {s['write_before_commit']}")
 
 

@@ -30,9 +30,9 @@ from kvprobe.kv.compose import Live, Spliced, assemble, precompile
 from kvprobe.kv.gate import run_gate
 from kvprobe.kv.readout import prefill, read_logits
 from kvprobe.metrics import decision_agreement, logit_cosine
+from kvprobe.claims import ACCURACY_MARGIN, Claim
 from kvprobe.runner.experiment import Context, Experiment
-from kvprobe.runner.summary import ci_cell
-from kvprobe.stats.bootstrap import summarize
+from kvprobe.runner.summary import ci_cell, summarize_column
 from kvprobe.tasks.gated import segment_prompt
 
 
@@ -119,8 +119,8 @@ def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
         "gate": ctx.scratch.get("gate"),
         "n_instances": len(rows),
         "full_accuracy": sum(r["full_correct"] for r in rows) / len(rows),
-        "variants": {v: {"cosine": summarize([r[f"{v}_cosine"] for r in rows], seed=ctx.cfg.seed),
-                         "agreement": summarize([r[f"{v}_agree"] for r in rows], seed=ctx.cfg.seed)}
+        "variants": {v: {"cosine": summarize_column(rows, [r[f"{v}_cosine"] for r in rows], seed=ctx.cfg.seed),
+                         "agreement": summarize_column(rows, [bool(r[f"{v}_agree"]) for r in rows])}
                      for v in variants},
     }
 
@@ -131,8 +131,7 @@ def table(summary: dict[str, Any]) -> str:
              f"{'variant':<14}{'logit cosine vs full':<34}{'decision agreement':<30}"]
     for v, s in summary["variants"].items():
         c, a = s["cosine"], s["agreement"]
-        lines.append(f"{v:<14}{c['mean']:.4f} [{c['ci_low']:.4f}, {c['ci_high']:.4f}]{'':<8}"
-                     f"{a['mean']:.3f} [{a['ci_low']:.3f}, {a['ci_high']:.3f}]")
+        lines.append(f"{v:<14}{ci_cell(c, 4):<34}{ci_cell(a, 3):<30}")
     return "\n".join(lines)
 
 
@@ -151,4 +150,10 @@ def headline(s: dict[str, Any]) -> str:
 EXPERIMENT = Experiment(name="transplant", doc=__doc__, params=Params, run_instance=run_instance,
                         summarize=summarize_rows, setup=setup, table=table, headline=headline,
                         paper={"gated": "logit cosine 0.90-0.999 across twelve models; decision-identical on "
-                                        "competent models (Fig. 6b)"})
+                                        "competent models (Fig. 6b)"},
+                        claims=(Claim("skill_agreement", "transplanted skill decides as full recompute",
+                                      "decision-identical (Fig. 6b; TOST margin 0.03)", "at_least", "seam0_agree",
+                                      paper_value=1.0, bound=1 - ACCURACY_MARGIN, gated=False),
+                                Claim("skill_cosine", "transplanted skill's logit cosine above 0.90",
+                                      "0.90-0.999 (Fig. 6b)", "greater", "seam0_cosine", 0.90, paper_value=0.05,
+                                      gated=False)))

@@ -32,7 +32,7 @@ def test_run_locality_end_to_end_then_reproduce_then_overwrite(tiny_text_dir, tm
     capsys.readouterr()
     assert main(["report", "--results", str(results)]) == 0
     table = capsys.readouterr().out.splitlines()
-    assert len(table) == 3 and table[2].startswith("| locality | gated | ") and "full-downstream 1.00" in table[2]
+    assert len(table) == 3 and table[2].startswith("| locality | gated | ") and "full-downstream (identity) 1.00" in table[2]
 
 
 def test_report_without_records_is_one_clear_error(tmp_path, capsys):

@@ -21,7 +21,9 @@ def results(tiny_text_dir, tmp_path_factory):
 
 def test_figures_render_from_records(results, tmp_path):
     paths = render_all(results, tmp_path)
-    assert [p.name for p in paths] == ["fig3a_locality.png"] and paths[0].stat().st_size > 5000
+    # one locality record: Fig. 3a, and the claims forest plot (the locality claims evaluated on it)
+    assert [p.name for p in paths] == ["fig3a_locality.png", "claims_forest.png"]
+    assert all(p.stat().st_size > 5000 for p in paths)
 
 
 def test_locality_notebook_runs_on_records(results, tmp_path):

@@ -36,6 +36,22 @@ from kvprobe.figures.mechanism import MECHANISM_FIGURES  # noqa: E402
 
 FIGURES.update(MECHANISM_FIGURES)  # mechanism: knockout, probes, writability, timing, Table 4 left
 
+from kvprobe.figures.circuit import CIRCUIT_FIGURES  # noqa: E402
+
+FIGURES.update(CIRCUIT_FIGURES)  # App. D circuit: heads (15a/f), attention vs MLP (15c), scrubbing (15d)
+
+from kvprobe.figures.distance import DISTANCE_FIGURES  # noqa: E402
+
+FIGURES.update(DISTANCE_FIGURES)  # locality against distance and format (Fig. 3a swept)
+
+from kvprobe.figures.claims import fig_claims  # noqa: E402
+
+FIGURES["claims_forest"] = ("", fig_claims)  # every paper claim x model (reads all records: experiment "")
+
+from kvprobe.figures.features import FEATURE_FIGURES  # noqa: E402
+
+FIGURES.update(FEATURE_FIGURES)  # App. D directions (15b) and SAE features (15e)
+
 
 def render_all(results_dir: str | Path = "results", out_dir: str | Path = "figures") -> list[Path]:
     out = Path(out_dir)

@@ -33,7 +33,9 @@ def bar_with_ci(ax, x: float, stat: dict[str, Any], width: float, color: str, la
     mean = stat.get("mean")
     if mean is None:
         return
-    lo, hi = stat.get("ci_low", mean), stat.get("ci_high", mean)
+    # no interval (one instance or one scenario: ci None) draws no whisker
+    lo = mean if stat.get("ci_low") is None else stat["ci_low"]
+    hi = mean if stat.get("ci_high") is None else stat["ci_high"]
     ax.bar(x, mean, width=width, color=color, label=label)
     ax.errorbar(x, mean, yerr=[[mean - lo], [hi - mean]], fmt="none", ecolor="black", capsize=2, lw=0.8)
 

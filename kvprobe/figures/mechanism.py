@@ -27,7 +27,11 @@ def plot_curve(ax, block: dict[str, Any], w: str, label: str, x: Callable[[int, 
     keys = [k for k, v in block.items() if v[w]["n"] and v[w]["mean"] is not None]
     xs = [x(i, k) if x else i for i, k in enumerate(keys)]
     line, = ax.plot(xs, [block[k][w]["mean"] for k in keys], marker=style.pop("marker", "o"), label=label, **style)
-    ax.fill_between(xs, [block[k][w]["ci_low"] for k in keys], [block[k][w]["ci_high"] for k in keys],
+    def band(k: str, end: str) -> float:  # no interval (ci None): the band closes on the mean
+        s = block[k][w]
+        return s["mean"] if s.get(end) is None else s[end]
+
+    ax.fill_between(xs, [band(k, "ci_low") for k in keys], [band(k, "ci_high") for k in keys],
                     color=line.get_color(), alpha=0.15)
     return keys
 
@@ -126,7 +130,8 @@ def fig_timing(records: list[dict[str, Any]], path: Path) -> None:
             ax.axvline(s["write_depth"], color=line.get_color(), ls="--", lw=0.8)
         c = s["commit"]["commit_depth"][which(s)]
         if c["mean"] is not None:
-            ax.axvspan(c["ci_low"], c["ci_high"], color=line.get_color(), alpha=0.15)
+            if c.get("ci_low") is not None:
+                ax.axvspan(c["ci_low"], c["ci_high"], color=line.get_color(), alpha=0.15)
             ax.axvline(c["mean"], color=line.get_color(), lw=1.5, label=f"{name}: decision commit")
     ax.axhline(s["decodable_at"], color="black", lw=0.4, ls=":")
     ax.set_xlim(0, 1.02)

@@ -16,7 +16,7 @@ def fig6b_transplant(records: list[dict[str, Any]], path: Path) -> None:
     variants: list[str] = []  # the union over models, in record order (older records have fewer variants)
     for rec in per_model.values():
         variants += [v for v in rec["summary"]["variants"] if v not in variants]
-    lows = [st.get("ci_low", st.get("mean")) for rec in per_model.values()
+    lows = [st["mean"] if st.get("ci_low") is None else st["ci_low"] for rec in per_model.values()
             for st in (v.get("cosine", {}) for v in rec["summary"]["variants"].values())
             if st.get("mean") is not None]
     fig, axes = plt.subplots(1, 2, figsize=(4 + 2.2 * len(names), 3.6))

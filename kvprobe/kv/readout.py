@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from kvprobe.errors import KVProbeError
+from kvprobe.interop.unwrap import as_lm
 from kvprobe.kv.state import KVState
 
 
@@ -30,6 +31,7 @@ def prefill(lm: Any, ids: Sequence[int] | torch.Tensor, positions: Sequence[int]
     ``positions`` sets the absolute positions the new tokens are rotated at (default: right after ``prior``,
     or 0..n-1). With ``return_logits`` also returns the last position's logits ``[batch, vocab]``.
     """
+    lm = as_lm(lm)  # a TransformerLens bridge or nnsight model becomes the LoadedModel behind it
     model = lm.model if hasattr(lm, "model") and not isinstance(lm, torch.nn.Module) else lm
     device = next(model.parameters()).device
     input_ids = _ids_tensor(ids, device)
@@ -70,6 +72,7 @@ def read_logits(lm: Any, states: KVState | Sequence[KVState], suffix_ids: Sequen
     All states must share slots and positions (they are stacked along the batch axis). The suffix is placed
     at ``suffix_positions`` (default: right after the states' last position).
     """
+    lm = as_lm(lm)  # a TransformerLens bridge or nnsight model becomes the LoadedModel behind it
     model = lm.model if hasattr(lm, "model") and not isinstance(lm, torch.nn.Module) else lm
     device = next(model.parameters()).device
     if isinstance(states, KVState):

@@ -111,6 +111,24 @@ class KVState:
             values[layer] = _put(self.values[layer], other.values[layer], idx)
         return KVState(tuple(keys), tuple(values), self.positions)
 
+    def mix_heads(self, other: "KVState", heads: Sequence[int], positions: Sequence[int] | torch.Tensor | None = None,
+                  layers: Sequence[int] | None = None) -> "KVState":
+        """This state with ``other``'s K/V on the given KV heads only (at ``positions``, all slots by default,
+        and ``layers``, all by default). Under GQA a KV head serves its whole query group."""
+        self._check_compatible(other)
+        idx = _as_index(range(self.length) if positions is None else positions, self.length)
+        chosen = range(self.n_layers) if layers is None else sorted({int(layer) for layer in layers})
+        hs = torch.as_tensor(sorted({int(h) for h in heads}), dtype=torch.long)
+        if hs.numel() and (hs.min() < 0 or hs.max() >= self.keys[0].shape[1]):
+            raise KVProbeError(f"KV heads must lie in [0, {self.keys[0].shape[1]})")
+        if idx.numel() == 0 or hs.numel() == 0:
+            return self
+        keys, values = list(self.keys), list(self.values)
+        for layer in chosen:
+            keys[layer] = _put_heads(self.keys[layer], other.keys[layer], idx, hs)
+            values[layer] = _put_heads(self.values[layer], other.values[layer], idx, hs)
+        return KVState(tuple(keys), tuple(values), self.positions)
+
     def with_layers(self, keys: dict[int, torch.Tensor], values: dict[int, torch.Tensor]) -> "KVState":
         """Replace whole layer tensors (used by edits that compute new K/V for a few layers)."""
         ks, vs = list(self.keys), list(self.values)
@@ -180,4 +198,12 @@ def _put(base: torch.Tensor, donor: torch.Tensor, idx: torch.Tensor) -> torch.Te
     out = base.expand(batch, -1, -1, -1).clone()
     idx = idx.to(base.device)
     out[:, :, idx] = donor[:, :, idx]
+    return out
+
+
+def _put_heads(base: torch.Tensor, donor: torch.Tensor, idx: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+    batch = max(base.shape[0], donor.shape[0])
+    out = base.expand(batch, -1, -1, -1).clone()
+    h, i = heads.to(base.device)[:, None], idx.to(base.device)[None, :]
+    out[:, h, i] = donor.expand(batch, -1, -1, -1)[:, h, i]
     return out

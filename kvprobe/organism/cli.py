@@ -13,22 +13,27 @@ from kvprobe.organism.registry import ORGANISMS_DIR
 def _train(args: argparse.Namespace) -> int:
     from kvprobe.organism.train import Recipe, train_organism
 
+    from kvprobe.organism.train import V3
+
     if args.task != "gated":
         from kvprobe.errors import KVProbeError
 
         raise KVProbeError(f"--task {args.task}: only 'gated' organisms exist so far")
     defaults = Recipe()
-    alias = args.alias or f"{args.model}-gated"
-    kwargs = {"base_model": args.model, "alias": alias, "seed": args.seed}
+    alias = args.alias or f"{args.model}-gated" + ("-v3" if args.preset == "v3" else "")
+    kwargs = {**(V3 if args.preset == "v3" else {}), "base_model": args.model, "alias": alias, "seed": args.seed}
     if args.steps is not None:
         kwargs["steps"] = args.steps
     if args.eval_families:
         kwargs["eval_families"] = tuple(args.eval_families.split(","))
     if args.train_scenarios:
         kwargs["train_scenarios"] = None if args.train_scenarios == "all" else tuple(args.train_scenarios.split(","))
-    for name in ("lr", "counterfactual_rules", "pairs_per_step", "lora_r", "init_from"):
+    for name in ("lr", "counterfactual_rules", "pairs_per_step", "lora_r", "init_from", "loss", "margin",
+                 "kl_weight", "correction", "reasoning", "adapter_dtype"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
+    if args.distance_range:
+        kwargs["distance_range"] = tuple(int(x) for x in args.distance_range.split(","))
     recipe = Recipe(**{f.name: kwargs.get(f.name, getattr(defaults, f.name)) for f in fields(Recipe)})
     out = Path(args.out) if args.out else ORGANISMS_DIR / alias
     result = train_organism(recipe, out, resume=not args.fresh)
@@ -56,6 +61,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     tr.add_argument("--init-from", default=None, help="organism alias whose adapter initializes the LoRA weights")
     tr.add_argument("--pairs-per-step", type=int, default=None)
     tr.add_argument("--lora-r", type=int, default=None)
+    tr.add_argument("--preset", choices=["v1", "v3"], default="v1",
+                    help="v1: the template recipe (v1/v2 organisms); v3: generated scenarios, calibrated loss, KL")
+    tr.add_argument("--loss", choices=["ce", "capped"], default=None)
+    tr.add_argument("--margin", type=float, default=None, help="capped loss: action margin (nats) beyond which "
+                    "nothing is pushed")
+    tr.add_argument("--kl-weight", type=float, default=None, help="weight of KL(base || organism) on neutral text")
+    tr.add_argument("--correction", type=float, default=None, help="probability of a late correction (v3)")
+    tr.add_argument("--reasoning", type=float, default=None, help="probability of a reasoning answer (v3)")
+    tr.add_argument("--distance-range", default=None, help="lo,hi field-to-decision tokens (v3)")
+    tr.add_argument("--adapter-dtype", choices=["float32", "float16"], default=None)
     tr.add_argument("--out", default=None, help="adapter folder (default: inside kvprobe/organism/organisms/)")
     tr.add_argument("--fresh", action="store_true", help="ignore checkpoints and start over")
     tr.set_defaults(func=_train)

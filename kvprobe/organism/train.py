@@ -63,10 +63,41 @@ class Recipe:
     # An organism alias whose adapter initializes the LoRA weights (same rank and target modules): a second
     # stage that broadens an organism instead of starting from the base model. None = fresh LoRA.
     init_from: str | None = None
+    # --- v3 (``data="generator"``): procedural scenarios, calibrated loss; the fields below are unused by
+    # the template recipe, whose defaults above are the v1/v2 recipe unchanged.
+    data: str = "template"  # "template": configs/tasks/gated.yaml scenarios; "generator": kvprobe.tasks.generator
+    words: str = "kvprobe/tasks/data/scenario_words.yaml"
+    train_formats: tuple[str, ...] | None = None  # None: the generator's train formats
+    distance_range: tuple[int, int] = (40, 400)  # field-to-decision tokens, log-uniform per training instance
+    correction: float = 0.0  # probability of a late correction (the latest value wins; full prefills only)
+    reasoning: float = 0.0  # probability of a reasoning answer (a chain restating the field, then the word)
+    # Calibration. loss "ce": cross-entropy of the action token (v1/v2). "capped": a squared hinge on the
+    # two-way action logit difference that is zero beyond ``margin`` nats, plus cross-entropy floored at
+    # ``ce_floor`` (no push once the token is likely enough) on the action and chain tokens.
+    loss: str = "ce"
+    margin: float = 3.0
+    ce_floor: float = 0.5
+    kl_weight: float = 0.0  # KL(base || organism) on the base model's own samples from neutral openings
+    kl_tokens: int = 96
+    val_instances: int = 32
+    val_every: int = 50  # a small validation evaluation every this many steps (the recipe is chosen on it)
+    adapter_dtype: str = "float32"  # "float16" halves the committed adapter; evaluation uses the rounded weights
+
+
+V3 = dict(data="generator", steps=300, pairs_per_step=2, lr=1e-3, warmup_steps=10, counterfactual_rules=0.5,
+          correction=0.25, reasoning=0.2, loss="capped", margin=3.0, ce_floor=0.5, kl_weight=1.0,
+          eval_instances=32, val_instances=16, adapter_dtype="float16", train_scenarios=None)
+"""The v3 recipe: every field that differs from the :class:`Recipe` defaults (``Recipe(**V3, ...)``)."""
 
 
 def recipe_summary(recipe: Recipe, n_train_scenarios: int) -> str:
     """One line for the card and `kvprobe models`."""
+    if recipe.data == "generator":
+        return (f"LoRA r={recipe.lora_r} on {'/'.join(recipe.target_modules)}, {recipe.steps} steps on generated "
+                f"scenarios ({n_train_scenarios} train families, formats {'/'.join(_train_formats(recipe))}), "
+                f"{recipe.counterfactual_rules:.0%} counterfactual, {recipe.correction:.0%} late corrections, "
+                f"{recipe.reasoning:.0%} reasoning; {recipe.loss} loss (margin {recipe.margin} nats), "
+                f"KL weight {recipe.kl_weight}")
     text = (f"LoRA r={recipe.lora_r} on {'/'.join(recipe.target_modules)}, {recipe.steps} steps on "
             f"{n_train_scenarios} scenarios, gated decisions with the field upstream")
     if recipe.counterfactual_rules:
@@ -221,9 +252,30 @@ class TrainResult:
     card: dict[str, Any] = field(default_factory=dict)
 
 
+def _lora_training_state(lm: Any, recipe: Any) -> tuple[Any, str | None, list[torch.nn.Parameter], Any, Path]:
+    """The LoRA-wrapped model (optionally started from another organism's adapter), its trainable parameters,
+    the optimizer, and the checkpoint folder, named by a hash of the whole recipe (so a resume never mixes
+    recipes)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=recipe.lora_r, lora_alpha=recipe.lora_alpha, lora_dropout=recipe.lora_dropout,
+                        target_modules=list(recipe.target_modules), bias="none", task_type="CAUSAL_LM")
+    model = get_peft_model(lm.model, config)
+    init_sha = _init_adapter(model, recipe) if recipe.init_from else None
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=0.0)
+    ckpt_dir = cache_root() / "organism-checkpoints" / recipe.alias / hashlib.sha256(
+        json.dumps(asdict(recipe), sort_keys=True).encode()).hexdigest()[:12]
+    return model, init_sha, params, opt, ckpt_dir
+
+
 def train_organism(recipe: Recipe, out_dir: Path, resume: bool = True, progress: bool = True) -> TrainResult:
     """Train (or resume) the organism and write adapter + card.json into ``out_dir``."""
-    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    if recipe.data == "generator":
+        return train_organism_v3(recipe, out_dir, resume=resume, progress=progress)
+    if recipe.data != "template":
+        raise KVProbeError(f"recipe data '{recipe.data}' is not 'template' or 'generator'")
+    from peft import set_peft_model_state_dict
     from peft.utils import get_peft_model_state_dict
 
     from kvprobe.models.loading import load_model
@@ -240,14 +292,7 @@ def train_organism(recipe: Recipe, out_dir: Path, resume: bool = True, progress:
     eval_pairs = _examples(lm, template, eval_sc, recipe.seed + 10_000, 0, recipe.eval_instances, recipe.n_filler)
     base_eval = evaluate(lm.model, eval_pairs)
 
-    config = LoraConfig(r=recipe.lora_r, lora_alpha=recipe.lora_alpha, lora_dropout=recipe.lora_dropout,
-                        target_modules=list(recipe.target_modules), bias="none", task_type="CAUSAL_LM")
-    model = get_peft_model(lm.model, config)
-    init_sha = _init_adapter(model, recipe) if recipe.init_from else None
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=0.0)
-    ckpt_dir = cache_root() / "organism-checkpoints" / recipe.alias / hashlib.sha256(
-        json.dumps(asdict(recipe), sort_keys=True).encode()).hexdigest()[:12]
+    model, init_sha, params, opt, ckpt_dir = _lora_training_state(lm, recipe)
     start, losses = 0, []
     ckpt = ckpt_dir / "last.pt"
     if resume and ckpt.exists():
@@ -305,6 +350,334 @@ def train_organism(recipe: Recipe, out_dir: Path, resume: bool = True, progress:
         "neutral_perplexity": {"before": base_ppl, "after": trained_ppl, "text": NEUTRAL_TEXT.name},
         "loss_curve": losses[:: max(1, len(losses) // 40)],
         "final_loss_mean_last10": sum(losses[-10:]) / max(1, len(losses[-10:])),
+        "train_seconds": round(time.perf_counter() - t0, 1),
+        "torch_threads": torch.get_num_threads(),
+    }
+    (out_dir / "card.json").write_text(json.dumps(card, indent=1) + "\n")
+    return TrainResult(out_dir, card)
+
+
+# -- organism v3: generated scenarios, calibrated ------------------------------------------------------------
+#
+# Data: families and formats from the generator's train split (kvprobe.tasks.generator); validation
+# families in the validation format and in the train formats choose the recipe (``val_every``); the card's
+# held-out test uses test families, in the two test formats (never trained) and in the train formats.
+# Counterfactual rules appear in every split; late corrections and reasoning answers in training only, as
+# full prefills (the cache-level edit question stays untrained). Calibration: the capped loss stops pushing
+# once the two-way action margin reaches ``margin`` nats, and the KL term keeps the base model's
+# distribution on its own neutral text, so flips stay graded and perplexity stays near the base.
+
+NEUTRAL_OPENINGS = ("Once upon a time, in a small village by the sea,", "The history of bread begins",
+                    "Dear diary, today I finally", "The train left the station at dawn and",
+                    "A simple recipe for vegetable soup:", "In the autumn the forest", "Chapter 1\n\nThe house on",
+                    "The museum opened a new exhibit about")
+
+
+@dataclass(frozen=True)
+class Seq:
+    """One training sequence: the model input, the reasoning-chain tokens it ends with (empty without a
+    chain; each is a target of the position before it) and the two action tokens read at its last position
+    (correct first)."""
+
+    ids: list[int]
+    chain: list[int]
+    correct_id: int
+    other_id: int
+
+
+def _train_formats(recipe: Recipe) -> tuple[str, ...]:
+    from kvprobe.tasks.generator import FORMAT_SPLITS
+
+    return tuple(recipe.train_formats) if recipe.train_formats else FORMAT_SPLITS["train"]
+
+
+def _draw_rng(*key: Any) -> random.Random:
+    return random.Random(hashlib.sha256(":".join(map(str, key)).encode()).digest())
+
+
+def generated_instance(lm: Any, recipe: Recipe, split: str, formats: tuple[str, ...], seed: int, index: int,
+                       counterfactual: float, correction: float, reasoning: float) -> Any:
+    """One generated instance: format and distance drawn from (seed, split, index); a format whose fixed
+    text is longer than the drawn distance gets no note lines."""
+    from kvprobe.cache_dir import project_path
+    from kvprobe.tasks.generator import InfeasibleDistance, build_generated, load_words
+
+    rng = _draw_rng("organism-v3", seed, split, index)
+    fmt = formats[rng.randrange(len(formats))]
+    lo, hi = recipe.distance_range
+    distance = int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
+    kw = dict(tokenizer=lm.tokenizer, chat=lm.has_chat_template, counterfactual=counterfactual,
+              correction=correction, reasoning=reasoning, words=load_words(project_path(recipe.words)))
+    try:
+        return build_generated(index, seed, split, fmt, distance=distance, **kw)
+    except InfeasibleDistance:
+        return build_generated(index, seed, split, fmt, n_notes=0, **kw)
+
+
+def _prompt_text(tokenizer: Any, inst: Any, value: str, chat: bool) -> tuple[str, bool]:
+    from kvprobe.tasks.gated import instance_prompt
+
+    return instance_prompt(tokenizer, inst, value, chat)
+
+
+def instance_seqs(lm: Any, inst: Any) -> tuple[Any, tuple[Seq, Seq]]:
+    """The tokenized pair of an instance and its two training sequences (old, new). A reasoning instance's
+    sequences continue the prompt with its chain (which restates the value), so the decision is read after
+    the chain; the pair's own prompts stop at the answer prefix."""
+    from kvprobe.tasks.gated import action_token
+    from kvprobe.tasks.generator import tokenize_generated
+
+    tok, chat = lm.tokenizer, lm.has_chat_template
+    pair = tokenize_generated(tok, inst, chat)
+    if not inst.meta.get("reasoning"):
+        return pair, (Seq(pair.ids_old, [], pair.old_action_id, pair.new_action_id),
+                      Seq(pair.ids_new, [], pair.new_action_id, pair.old_action_id))
+    seqs = []
+    for value, ids, action, other in ((inst.old_value, pair.ids_old, inst.old_action, inst.new_action),
+                                      (inst.new_value, pair.ids_new, inst.new_action, inst.old_action)):
+        prompt, special = _prompt_text(tok, inst, value, chat)
+        text = prompt + inst.chain(value)
+        full = tok(text, add_special_tokens=special)["input_ids"]
+        if full[: len(ids)] != ids:
+            raise KVProbeError(f"instance {inst.index}: the reasoning chain merges with the answer prefix")
+        seqs.append(Seq(full, full[len(ids):], action_token(tok, full, text, action, special),
+                        action_token(tok, full, text, other, special)))
+    return pair, (seqs[0], seqs[1])
+
+
+def _seq_loss(model: Any, seqs: list[Seq], recipe: Recipe) -> torch.Tensor:
+    """Loss of sequences of one length in one forward: capped hinge on the action margin plus floored
+    cross-entropy on the action and chain tokens (or plain cross-entropy, ``loss='ce'``)."""
+    keep = len(seqs[0].chain) + 1
+    out = model(input_ids=torch.tensor([s.ids for s in seqs]), use_cache=False, logits_to_keep=keep)
+    logits = out.logits.float()  # [batch, keep, vocab]; position keep-1 reads the decision
+    correct = torch.tensor([s.correct_id for s in seqs])
+    last = logits[:, -1]
+    ce = torch.nn.functional.cross_entropy(last, correct, reduction="none")
+    if keep > 1:  # chain tokens: predicted at the positions before each
+        chain_t = torch.tensor([s.chain for s in seqs])
+        ce_chain = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), chain_t.reshape(-1),
+                                                     reduction="none").view(len(seqs), -1)
+    else:
+        ce_chain = torch.zeros(len(seqs), 0)
+    if recipe.loss == "ce":
+        return torch.cat([ce[:, None], ce_chain], 1).mean()
+    if recipe.loss != "capped":
+        raise KVProbeError(f"recipe loss '{recipe.loss}' is not 'ce' or 'capped'")
+    margin = last.gather(1, correct[:, None])[:, 0] - last.gather(1, torch.tensor([[s.other_id] for s in seqs]))[:, 0]
+    hinge = torch.relu(recipe.margin - margin) ** 2 / recipe.margin
+    floored = torch.clamp(torch.cat([ce[:, None], ce_chain], 1), min=recipe.ce_floor) - recipe.ce_floor
+    return (hinge + floored.mean(1)).mean()
+
+
+def _example_loss(model: Any, examples: list[tuple[Seq, Seq]], recipe: Recipe) -> torch.Tensor:
+    """Mean loss over the pairs; the two sequences of a pair share a forward when their lengths match."""
+    losses = []
+    for old, new in examples:
+        if len(old.ids) == len(new.ids) and len(old.chain) == len(new.chain):
+            losses.append(_seq_loss(model, [old, new], recipe))
+        else:
+            losses.append((_seq_loss(model, [old], recipe) + _seq_loss(model, [new], recipe)) / 2)
+    return torch.stack(losses).mean()
+
+
+@torch.no_grad()
+def base_samples(lm: Any, recipe: Recipe) -> list[list[int]]:
+    """The base model's own continuations of neutral openings (seeded sampling): the text the KL term holds
+    the organism to. Kept apart from the perplexity text (``neutral.txt``), which stays held out."""
+    samples = []
+    with torch.random.fork_rng():
+        torch.manual_seed(recipe.seed + 77)
+        for opening in NEUTRAL_OPENINGS:
+            ids = lm.tokenizer(opening, return_tensors="pt")["input_ids"]
+            out = lm.model.generate(ids, do_sample=True, top_k=50, max_new_tokens=recipe.kl_tokens,
+                                    pad_token_id=lm.tokenizer.eos_token_id or 0)
+            samples.append(out[0].tolist())
+    return samples
+
+
+def _kl_loss(model: Any, ids: list[int]) -> torch.Tensor:
+    """KL(base || organism) per position, mean over the sample (base = the adapter switched off)."""
+    x = torch.tensor([ids])
+    with torch.no_grad(), model.disable_adapter():
+        base = torch.log_softmax(model(input_ids=x, use_cache=False).logits.float(), -1)
+    tuned = torch.log_softmax(model(input_ids=x, use_cache=False).logits.float(), -1)
+    return (base.exp() * (base - tuned)).sum(-1).mean()
+
+
+@torch.no_grad()
+def pair_lds(model: Any, pair: Any) -> tuple[float, float]:
+    """Action logit difference (new-correct minus old-correct) on the old and the new prompt."""
+    lds = []
+    for ids in (pair.ids_old, pair.ids_new):
+        logits = model(input_ids=torch.tensor([ids]), use_cache=False, logits_to_keep=1).logits[0, -1].float()
+        lds.append(float(logits[pair.new_action_id] - logits[pair.old_action_id]))
+    return lds[0], lds[1]
+
+
+def _stats(lds: list[tuple[float, float]]) -> dict[str, Any]:
+    flips = sorted(b - a for a, b in lds)
+    n = len(lds)
+    return {"accuracy": sum((a < 0) + (b > 0) for a, b in lds) / (2 * n), "median_flip": flips[n // 2],
+            "mean_flip": sum(flips) / n, "frac_flip_ge_1": sum(f >= 1 for f in flips) / n, "n_pairs": n}
+
+
+def evaluate_generated(model: Any, items: list[tuple[Any, Any]]) -> dict[str, Any]:
+    """Accuracy and flips over all pairs and per format, value pair, counterfactual and correction."""
+    lds = [pair_lds(model, pair) for _, pair in items]
+    out: dict[str, Any] = {"all": _stats(lds)}
+    for key, label in (("format", lambda m: m["format"]), ("value_pair", lambda m: "/".join(m["value_pair"])),
+                       ("counterfactual", lambda m: str(m["counterfactual"])),
+                       ("correction", lambda m: str(m["correction"]))):
+        groups: dict[str, list[tuple[float, float]]] = {}
+        for (inst, _), ld in zip(items, lds):
+            groups.setdefault(label(inst.meta), []).append(ld)
+        out[f"by_{key}"] = {g: _stats(v) for g, v in sorted(groups.items())}
+    out["distance_tokens"] = {"min": min(i.meta["distance_tokens"] for i, _ in items),
+                              "max": max(i.meta["distance_tokens"] for i, _ in items)}
+    return out
+
+
+def _eval_sets(lm: Any, recipe: Recipe) -> dict[str, list[tuple[Any, Any]]]:
+    """Held-out sets: validation (chooses the recipe) and test (reported); neither is trained on."""
+    from kvprobe.tasks.generator import FORMAT_SPLITS
+
+    train_fmts = _train_formats(recipe)
+    specs = {"validation_unseen_format": ("validation", FORMAT_SPLITS["validation"], recipe.val_instances),
+             "validation_train_formats": ("validation", train_fmts, recipe.val_instances),
+             "test_unseen_formats": ("test", FORMAT_SPLITS["test"], recipe.eval_instances),
+             "test_train_formats": ("test", train_fmts, recipe.eval_instances),
+             "test_corrections": ("test", FORMAT_SPLITS["test"] + train_fmts, recipe.eval_instances // 2)}
+    sets = {}
+    for name, (split, fmts, n) in specs.items():
+        seed = recipe.seed + 10_000 + 1_000 * list(specs).index(name)
+        corr = 1.0 if name == "test_corrections" else 0.0
+        insts = [generated_instance(lm, recipe, split, tuple(fmts), seed, i, recipe.counterfactual_rules or 0.5,
+                                    corr, 0.0) for i in range(n)]
+        sets[name] = [(inst, instance_seqs(lm, inst)[0]) for inst in insts]
+    return sets
+
+
+def _v3_train_examples(lm: Any, recipe: Recipe, start: int, n: int) -> list[tuple[Any, Any, tuple[Seq, Seq]]]:
+    out = []
+    for i in range(start, start + n):
+        inst = generated_instance(lm, recipe, "train", _train_formats(recipe), recipe.seed, i,
+                                  recipe.counterfactual_rules, recipe.correction, recipe.reasoning)
+        pair, seqs = instance_seqs(lm, inst)
+        out.append((inst, pair, seqs))
+    return out
+
+
+def _seq_hash(examples: list[tuple[Any, Any, tuple[Seq, Seq]]]) -> str:
+    h = hashlib.sha256()
+    for _, _, (a, b) in examples:
+        h.update(json.dumps([a.ids, a.correct_id, b.ids, b.correct_id]).encode())
+    return h.hexdigest()[:16]
+
+
+def train_organism_v3(recipe: Recipe, out_dir: Path, resume: bool = True, progress: bool = True) -> TrainResult:
+    """Train (or resume) an organism on generated scenarios; write adapter + card.json into ``out_dir``."""
+    from peft import set_peft_model_state_dict
+    from peft.utils import get_peft_model_state_dict
+
+    from kvprobe.cache_dir import project_path
+    from kvprobe.models.loading import load_model
+    from kvprobe.tasks.generator import FORMAT_SPLITS, check_splits, load_words
+
+    if set(_train_formats(recipe)) & (set(FORMAT_SPLITS["validation"]) | set(FORMAT_SPLITS["test"])):
+        raise KVProbeError(f"train formats {_train_formats(recipe)} include held-out formats")
+    split_sizes = check_splits(load_words(project_path(recipe.words)))
+    torch.manual_seed(recipe.seed)
+    t0 = time.perf_counter()
+    lm = load_model(recipe.base_model, device="cpu", dtype="float32")
+    base_ppl = neutral_perplexity(lm.model, lm.tokenizer)
+    eval_sets = _eval_sets(lm, recipe)
+    base_eval = {name: evaluate_generated(lm.model, items) for name, items in eval_sets.items()}
+    kl_samples = base_samples(lm, recipe) if recipe.kl_weight > 0 else []
+
+    model, init_sha, params, opt, ckpt_dir = _lora_training_state(lm, recipe)
+    start, losses, val_curve = 0, [], []
+    ckpt = ckpt_dir / "last.pt"
+    if resume and ckpt.exists():
+        state = torch.load(ckpt, weights_only=False)
+        set_peft_model_state_dict(model, state["adapter"])
+        opt.load_state_dict(state["opt"])
+        start, losses, val_curve = state["step"], state["losses"], state.get("val_curve", [])
+    val_small = eval_sets["validation_unseen_format"][:8] + eval_sets["validation_train_formats"][:8]
+    bar = tqdm(range(start, recipe.steps), desc=f"training {recipe.alias}", initial=start, total=recipe.steps,
+               disable=not progress)
+    for step in bar:
+        model.train()
+        examples = _v3_train_examples(lm, recipe, step * recipe.pairs_per_step, recipe.pairs_per_step)
+        for group in opt.param_groups:
+            group["lr"] = _lr_at(step, recipe)
+        loss = _example_loss(model, [seqs for _, _, seqs in examples], recipe)
+        kl = _kl_loss(model, kl_samples[step % len(kl_samples)]) if kl_samples else torch.zeros(())
+        total = loss + recipe.kl_weight * kl
+        opt.zero_grad()
+        total.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        losses.append([round(float(loss.detach()), 5), round(float(kl.detach()), 5)])
+        bar.set_postfix(loss=f"{sum(x[0] for x in losses[-10:]) / len(losses[-10:]):.3f}",
+                        kl=f"{sum(x[1] for x in losses[-10:]) / len(losses[-10:]):.4f}")
+        if recipe.val_every and (step + 1) % recipe.val_every == 0:
+            model.eval()
+            val_curve.append({"step": step + 1, **evaluate_generated(model, val_small)["all"]})
+        if (step + 1) % recipe.checkpoint_every == 0 or step + 1 == recipe.steps:
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+            tmp = ckpt.with_suffix(".tmp")
+            torch.save({"adapter": get_peft_model_state_dict(model), "opt": opt.state_dict(), "step": step + 1,
+                        "losses": losses, "val_curve": val_curve}, tmp)
+            tmp.replace(ckpt)
+    model.eval()
+    if recipe.adapter_dtype == "float16":  # evaluate exactly the weights that are committed
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.data = p.data.half().float()
+    elif recipe.adapter_dtype != "float32":
+        raise KVProbeError(f"adapter_dtype '{recipe.adapter_dtype}' is not float32 or float16")
+    trained = {name: evaluate_generated(model, items) for name, items in eval_sets.items()}
+    train_examples = _v3_train_examples(lm, recipe, 0, recipe.steps * recipe.pairs_per_step)
+    train_fams = sorted({inst.family for inst, _, _ in train_examples})
+    held_fams = sorted({inst.family for items in eval_sets.values() for inst, _ in items})
+    if set(train_fams) & set(held_fams):
+        raise KVProbeError(f"held-out families were trained on: {sorted(set(train_fams) & set(held_fams))[:3]}")
+    trained_ppl = neutral_perplexity(model, lm.tokenizer)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if recipe.adapter_dtype == "float16":
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.data = p.data.half()
+    model.save_pretrained(out_dir)
+    scrub_adapter_dir(out_dir, recipe.base_model)
+    words_sha = hashlib.sha256(project_path(recipe.words).read_bytes()).hexdigest()[:16]
+    card = {
+        "alias": recipe.alias,
+        "base_model": recipe.base_model,
+        "base_fingerprint": lm.fingerprint,
+        "summary": recipe_summary(recipe, len(train_fams)),
+        "recipe": asdict(recipe),
+        "init_adapter_sha256": init_sha,
+        "data": {"generator_words_sha256": words_sha, "split_sizes": split_sizes,
+                 "formats": {"train": list(_train_formats(recipe)), "validation": list(FORMAT_SPLITS["validation"]),
+                             "test": list(FORMAT_SPLITS["test"])},
+                 "n_train_pairs": len(train_examples),
+                 "train_reasoning_pairs": sum(bool(i.meta["reasoning"]) for i, _, _ in train_examples),
+                 "train_correction_pairs": sum(bool(i.meta["correction"]) for i, _, _ in train_examples)},
+        "train_families": train_fams,
+        "eval_families": held_fams,
+        "data_hashes": {"train": _seq_hash(train_examples),
+                        "eval": data_hash([pair for items in eval_sets.values() for _, pair in items])},
+        "selection": "recipe chosen on the validation sets only (validation families, the validation format "
+                     "and the train formats); the test sets are reported, never used to choose",
+        "heldout_eval": {"before": base_eval, "after": trained},
+        "validation_curve": val_curve,
+        "neutral_perplexity": {"before": base_ppl, "after": trained_ppl, "text": NEUTRAL_TEXT.name,
+                               "relative_change": trained_ppl / base_ppl - 1},
+        "loss_curve": [x[0] for x in losses][:: max(1, len(losses) // 40)],
+        "kl_curve": [x[1] for x in losses][:: max(1, len(losses) // 40)],
+        "final_loss_mean_last10": sum(x[0] for x in losses[-10:]) / max(1, len(losses[-10:])),
         "train_seconds": round(time.perf_counter() - t0, 1),
         "torch_threads": torch.get_num_threads(),
     }

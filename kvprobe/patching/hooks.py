@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from kvprobe.errors import KVProbeError
+from kvprobe.interop.unwrap import as_lm
 from kvprobe.kv.state import KVState
 from kvprobe.patching.sites import Site
 
@@ -46,6 +47,7 @@ def _head_slice(lm: Any, head: int) -> slice:
 @contextmanager
 def hooked(lm: Any, sites: Sequence[Site], fn: Callable[[Site, torch.Tensor], torch.Tensor | None]) -> Iterator[None]:
     """Call ``fn(site, activation[batch, seq, d])`` at every site; a returned tensor replaces the activation."""
+    lm = as_lm(lm)  # a TransformerLens bridge or nnsight model becomes the LoadedModel behind it
     handles = []
     by_module: dict[tuple[int, str], list[Site]] = {}
     modules: dict[int, torch.nn.Module] = {}
@@ -99,6 +101,7 @@ def _positions_of(site: Site, act: torch.Tensor) -> slice | int:
 def capture(lm: Any, ids: Sequence[int] | torch.Tensor, sites: Sequence[Site],
             prior: KVState | None = None) -> dict[Site, torch.Tensor]:
     """Activations ``[batch, d]`` (or ``[batch, seq, d]`` for position=None) at each site, from one forward."""
+    lm = as_lm(lm)  # a TransformerLens bridge or nnsight model becomes the LoadedModel behind it
     from kvprobe.kv.readout import prefill
 
     got: dict[Site, torch.Tensor] = {}
@@ -119,6 +122,7 @@ def run_patched(lm: Any, ids: Sequence[int] | torch.Tensor, patches: Mapping[Sit
     Returns the KVState the patched forward wrote and its last-position logits. A patch tensor broadcasts
     over the batch (``[d]`` or ``[batch, d]``; ``[batch, seq, d]`` for position=None sites).
     """
+    lm = as_lm(lm)  # a TransformerLens bridge or nnsight model becomes the LoadedModel behind it
     from kvprobe.kv.readout import prefill
 
     def patch(site: Site, act: torch.Tensor) -> torch.Tensor:

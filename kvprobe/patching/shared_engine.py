@@ -11,6 +11,13 @@ row carries only its own overrides (at most M slots per layer). A custom attenti
 which is the same attention, exactly, as over the materialized patched cache (tested against the
 reference path in kv_sweep to float error).
 
+Layer sharing (exact): a cell that patches only layers >= l leaves layers < l exactly as the base computes
+them, so the suffix's hidden state entering layer l is the base's. The base suffix pass is run once and kept
+per layer; cells are grouped by their first patched layer and each group runs only layers l.. (the skipped
+layers return the kept base output). Cells spread evenly over layers then cost about half a one-token
+forward each. With ``token_ids`` only those columns of the unembedding are computed (a decision read needs
+two), which removes the vocabulary projection from the per-cell cost.
+
 Supported: decoder families whose attention calls the cache and then the attention interface with
 (query, key, value, mask, scaling[, softcap]): Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3.
 """
@@ -167,10 +174,57 @@ def _overrides(base: KVState, donor: KVState, cells: Sequence[Any], layer: int):
     return idx.to(dk.device), valid.to(dk.device), over_k, over_v
 
 
+def first_patched_layer(cell: Any, n_layers: int) -> int:
+    """The lowest layer a cell patches (``n_layers`` for a cell that patches nothing)."""
+    if not cell.positions:
+        return n_layers
+    return 0 if cell.layers is None else min(cell.layers)
+
+
+@contextmanager
+def _skip_layers(layers: Sequence[torch.nn.Module], outputs: Sequence[torch.Tensor], upto: int, n: int):
+    """Layers ``< upto`` return the kept base output (expanded to ``n`` rows) instead of computing."""
+    saved = []
+    for j in range(upto):
+        layer = layers[j]
+        saved.append(layer.__dict__.get("forward"))
+        layer.forward = lambda *args, _out=outputs[j], **kwargs: _out.expand(n, -1, -1)
+    try:
+        yield
+    finally:
+        for j, old in enumerate(saved):
+            if old is None:
+                del layers[j].forward
+            else:
+                layers[j].forward = old
+
+
+def _decoder_layers(lm: Any) -> Sequence[torch.nn.Module]:
+    from kvprobe.patching.hooks import _get
+
+    return _get(lm.model, lm.spec.layers_path)
+
+
+def _final_logits(model: Any, hidden: torch.Tensor, token_ids: Sequence[int]) -> torch.Tensor:
+    """The model's logits for ``token_ids`` only, from the backbone's last (normed) hidden state."""
+    head = model.get_output_embeddings()
+    idx = torch.as_tensor(list(token_ids), dtype=torch.long, device=hidden.device)
+    bias = None if getattr(head, "bias", None) is None else head.bias[idx]
+    logits = torch.nn.functional.linear(hidden, head.weight[idx], bias).float()
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
 @torch.no_grad()
 def shared_kv_sweep(lm: Any, base: KVState, donor: KVState, cells: Sequence[Any], suffix: Sequence[int],
-                    batch_size: int = 64) -> torch.Tensor:
-    """Logits ``[len(cells), vocab]``: the same numbers as the reference sweep, without per-cell caches."""
+                    batch_size: int = 64, token_ids: Sequence[int] | None = None,
+                    share_layers: bool = True) -> torch.Tensor:
+    """Logits ``[len(cells), vocab]`` (``[len(cells), len(token_ids)]`` with ``token_ids``): the same numbers
+    as the reference sweep, without per-cell caches; ``share_layers`` runs each cell from its first patched
+    layer on (exact, see the module docstring)."""
     from transformers.cache_utils import DynamicCache
 
     if base.batch != 1 or donor.batch != 1:
@@ -181,16 +235,59 @@ def shared_kv_sweep(lm: Any, base: KVState, donor: KVState, cells: Sequence[Any]
     layer_cls = _layer_class()
     suffix_t = torch.as_tensor(list(suffix), dtype=torch.long)
     pos = torch.arange(base.next_position, base.next_position + suffix_t.numel())
-    outs = []
+    n_layers = base.n_layers
+    layers = _decoder_layers(lm)
+    backbone = model.get_decoder() if token_ids is not None else None
+
+    def forward(chunk: Sequence[Any], start: int = 0) -> torch.Tensor:
+        n = len(chunk)
+        cache = DynamicCache()
+        # Layers below ``start`` are skipped (they return the kept base output): no overrides to build there.
+        cache.layers = [layer_cls(SharedKV(base.keys[i], base.values[i],
+                                           *(_overrides(base, donor, chunk, i) if i >= start else (None,) * 4)))
+                        for i in range(n_layers)]
+        kwargs = dict(input_ids=suffix_t.unsqueeze(0).expand(n, -1).to(device),
+                      position_ids=pos.unsqueeze(0).expand(n, -1).to(device), cache=cache, use_cache=True)
+        if backbone is not None:
+            hidden = backbone(**kwargs).last_hidden_state[:, -1]
+            return _final_logits(model, hidden, token_ids).cpu()
+        return model(**kwargs, logits_to_keep=1).logits[:, -1].float().cpu()
+
+    outs: list[tuple[list[int], torch.Tensor]] = []
     with _attention_implementation(model, ENGINE_NAME):
-        for lo in range(0, len(cells), batch_size):
-            chunk = cells[lo:lo + batch_size]
-            n = len(chunk)
-            cache = DynamicCache()
-            cache.layers = [layer_cls(SharedKV(base.keys[i], base.values[i], *_overrides(base, donor, chunk, i)))
-                            for i in range(base.n_layers)]
-            out = model(input_ids=suffix_t.unsqueeze(0).expand(n, -1).to(device),
-                        position_ids=pos.unsqueeze(0).expand(n, -1).to(device), cache=cache, use_cache=True,
-                        logits_to_keep=1)
-            outs.append(out.logits[:, -1].float().cpu())
-    return torch.cat(outs) if outs else torch.empty(0)
+        if not share_layers:
+            for lo in range(0, len(cells), batch_size):
+                outs.append((list(range(lo, min(lo + batch_size, len(cells)))), forward(cells[lo:lo + batch_size])))
+        else:
+            kept: list[torch.Tensor] = []
+            handles = [layer.register_forward_hook(lambda m, a, out: kept.append(out[0] if isinstance(out, tuple)
+                                                                                  else out))
+                       for layer in layers]
+            try:
+                forward([_NO_PATCH])  # the base suffix pass: every layer's output, batch 1
+            finally:
+                for h in handles:
+                    h.remove()
+            starts = [first_patched_layer(c, n_layers) for c in cells]
+            order = sorted(range(len(cells)), key=lambda i: starts[i])
+            for start in sorted(set(starts)):
+                group = [i for i in order if starts[i] == start]
+                for lo in range(0, len(group), batch_size):
+                    idx = group[lo:lo + batch_size]
+                    with _skip_layers(layers, kept, start, len(idx)):
+                        outs.append((idx, forward([cells[i] for i in idx], start)))
+    if not outs:
+        return torch.empty(0)
+    result = torch.empty(len(cells), outs[0][1].shape[-1])
+    for idx, logits in outs:
+        result[idx] = logits
+    return result
+
+
+@dataclass(frozen=True)
+class _Unpatched:
+    positions: tuple[int, ...] = ()
+    layers: tuple[int, ...] | None = None
+
+
+_NO_PATCH = _Unpatched()

@@ -31,11 +31,17 @@ class KVPatch:
 
 
 def kv_sweep(lm: Any, base: KVState, donor: KVState, cells: Sequence[KVPatch], suffix: Sequence[int],
-             batch_size: int = 16, engine: str = "auto") -> torch.Tensor:
+             batch_size: int = 16, engine: str = "auto", token_ids: Sequence[int] | None = None) -> torch.Tensor:
     """Next-token logits ``[len(cells), vocab]`` after ``suffix`` over base-with-each-cell's-patch.
 
     ``donor`` may also be a zero/mean state (ablation) built by the caller: any KVState of the same shape.
+    With ``token_ids`` only those logits are returned (``[len(cells), len(token_ids)]``); the shared engine
+    then computes only those columns of the unembedding. ``lm`` may be a TransformerLens bridge or an nnsight
+    model (kvprobe.interop.as_lm).
     """
+    from kvprobe.interop.unwrap import as_lm
+
+    lm = as_lm(lm)
     if engine not in ("auto", "shared", "mix"):
         raise ValueError(f"engine must be auto, shared or mix; got {engine!r}")
     if base.batch != 1 or donor.batch != 1:
@@ -46,12 +52,13 @@ def kv_sweep(lm: Any, base: KVState, donor: KVState, cells: Sequence[KVPatch], s
         from kvprobe.patching.shared_engine import shared_kv_sweep, supports_shared
 
         if supports_shared(lm):
-            return shared_kv_sweep(lm, base, donor, cells, suffix, batch_size=max(batch_size, 64))
+            return shared_kv_sweep(lm, base, donor, cells, suffix, batch_size=max(batch_size, 64), token_ids=token_ids)
         if engine == "shared":
             raise ValueError("the shared-base engine does not support this model's attention")
     out = []
     for lo in range(0, len(cells), batch_size):
         chunk = cells[lo:lo + batch_size]
         states = [base.mix(donor, c.positions, c.layers) for c in chunk]
-        out.append(read_logits(lm, states, suffix, batch_size=batch_size))
+        logits = read_logits(lm, states, suffix, batch_size=batch_size)
+        out.append(logits if token_ids is None else logits[:, list(token_ids)])
     return torch.cat(out) if out else torch.empty(0)

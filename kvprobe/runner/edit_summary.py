@@ -16,8 +16,9 @@ from kvprobe.kv.edit import FieldEdit
 from kvprobe.kv.readout import read_logits
 from kvprobe.metrics import logit_diff
 from kvprobe.patching.pairs import Anchors, PairPrefill, measure, prefill_pair
-from kvprobe.runner.summary import ci_cell, gate_summary, which
+from kvprobe.runner.summary import ci_cell, gate_summary, scenarios, which
 from kvprobe.stats.bootstrap import summarize
+from kvprobe.stats.inference import summarize_proportion
 from kvprobe.tasks.gated import TokenizedPair, tokenize_pair
 
 
@@ -68,25 +69,31 @@ def _mean(values: Sequence[float]) -> float | None:
 
 def methods_summary(rows: Sequence[dict[str, Any]], names: Sequence[str], seed: int = 0,
                     key: str = "methods") -> dict[str, Any]:
-    """Per method: P(correct) and recovery (bootstrap CIs over gated and over all instances), mean recompute
-    fraction, whether it needs prompt surgery, and agreement with its own full reprefill where measured."""
+    """Per method: P(correct) with its exact (Clopper-Pearson) interval and recovery with a cluster-bootstrap
+    CI by scenario, over gated and over all instances; mean recompute fraction, whether it needs prompt
+    surgery, and agreement with its own full reprefill where measured."""
     out: dict[str, Any] = {}
     gated = [r for r in rows if r["included"]]
     for name in names:
         def col(rs, field, name=name):
             return [r[key][name][field] for r in rs if name in r[key] and field in r[key][name]]
 
+        def has(rs, field, name=name):
+            return [r for r in rs if name in r[key] and field in r[key][name]]
+
         block: dict[str, Any] = {
-            "p_correct": {"gated": summarize([float(v) for v in col(gated, "correct")], seed=seed),
-                          "all": summarize([float(v) for v in col(rows, "correct")], seed=seed)},
-            "recovery": {"gated": summarize(col(gated, "recovery"), seed=seed),
-                         "all": summarize(col(rows, "recovery"), seed=seed)},
+            "p_correct": {w: summarize_proportion([bool(v) for v in col(rs, "correct")], scenarios(has(rs, "correct")))
+                          for w, rs in (("gated", gated), ("all", rows))},
+            "recovery": {w: summarize(col(rs, "recovery"), seed=seed, clusters=scenarios(has(rs, "recovery")))
+                         for w, rs in (("gated", gated), ("all", rows))},
         }
         if col(rows, "recompute_fraction"):
             block["recompute_fraction"] = _mean(col(rows, "recompute_fraction"))
             block["needs_prompt_surgery"] = any(col(rows, "needs_prompt_surgery"))
         if col(rows, "agrees_with_reference"):
             block["agreement_with_reference"] = _mean([float(v) for v in col(rows, "agrees_with_reference")])
+            block["agreement_with_reference_ci"] = summarize_proportion(
+                [bool(v) for v in col(rows, "agrees_with_reference")], scenarios(has(rows, "agrees_with_reference")))
         out[name] = block
     return out
 
@@ -94,9 +101,11 @@ def methods_summary(rows: Sequence[dict[str, Any]], names: Sequence[str], seed: 
 def edit_gate_summary(ctx: Any, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The gate block plus the effect size every edit record carries: the oracle flip (nats) with a CI."""
     out = gate_summary(rows, ctx.cfg.gate)
-    out["effect_size"] = {"oracle_flip_nats": summarize([r["flip"] for r in rows], seed=ctx.cfg.seed),
-                          "oracle_flip_nats_gated": summarize([r["flip"] for r in rows if r["included"]],
-                                                              seed=ctx.cfg.seed)}
+    gated = [r for r in rows if r["included"]]
+    out["effect_size"] = {"oracle_flip_nats": summarize([r["flip"] for r in rows], seed=ctx.cfg.seed,
+                                                        clusters=scenarios(rows)),
+                          "oracle_flip_nats_gated": summarize([r["flip"] for r in gated], seed=ctx.cfg.seed,
+                                                              clusters=scenarios(gated))}
     out["summary_over"] = "gated" if out["n_included"] else "all (no instance passed the gate)"
     return out
 

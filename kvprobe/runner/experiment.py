@@ -139,6 +139,10 @@ def run_experiment(cfg: RunConfig, overwrite: bool = False, fresh: bool = False,
         from kvprobe.models.loading import load_model
 
         lm = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed, offline=offline)
+    else:
+        from kvprobe.interop.unwrap import as_lm
+
+        lm = as_lm(lm)  # a TransformerLens bridge or nnsight model the user already holds
     t_load = time.perf_counter() - t0
     torch.manual_seed(cfg.seed)
     ctx = Context(cfg=cfg, params=params, lm=lm)

@@ -6,8 +6,12 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from kvprobe import claims
+    from kvprobe.features import cli as features_cli
     from kvprobe.kv import gate_cli
     from kvprobe.organism import cli as organism_cli
 
     gate_cli.register(sub)
     organism_cli.register(sub)
+    claims.register(sub)
+    features_cli.register(sub)

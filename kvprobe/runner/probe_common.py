@@ -1,7 +1,7 @@
 """What the mechanism probes share (paper Section 3 probes (2)-(4), Appendix C controls).
 
-- :func:`probe_case` / :func:`case_row`: one instance's two prefills, its stale/oracle anchors (plus any named
-  states, read in the same batch) and the row fields every record carries (instance, gate, recoveries);
+- re-exports of :mod:`kvprobe.probes.case` (``Case``, ``probe_case``, ``case_row``, ``same_decision``,
+  ``ld_from_recovery``): one instance's two prefills, anchors and shared row;
 - :func:`polarity_instances`: the ``make_instances`` of the probes that need the polarity 2x2 task;
 - :func:`pair_features` / :func:`probe_features` / :func:`layer_probe`: residual features of both prompts of
   a pair, kept per run in ``ctx.scratch`` (too large for rows; recomputed for rows a resumed run already
@@ -13,56 +13,20 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from kvprobe.kv.state import KVState
-from kvprobe.patching.pairs import Anchors, PairPrefill, measure, prefill_pair
+from kvprobe.patching.pairs import PairPrefill
 from kvprobe.patching.ranking import decode_token, rank_downstream
 from kvprobe.patching.residuals import resid_stack
+from kvprobe.probes.case import Case, case_row, ld_from_recovery, probe_case, same_decision  # noqa: F401
 from kvprobe.runner.summary import recovery_summary, which
 from kvprobe.stats.probe import group_cv_accuracy
-from kvprobe.tasks.gated import TokenizedPair, load_template, tokenize_pair
+from kvprobe.tasks.gated import load_template
 
-@dataclass(frozen=True)
-class Case:
-    pair: TokenizedPair
-    pp: PairPrefill
-    anchor: Anchors
-    lds: dict[str, float]
-    rec: dict[str, float]
-
-
-def probe_case(ctx: Any, inst: Any, states: Callable[[PairPrefill], dict[str, KVState]] | None = None) -> Case:
-    """Tokenize and prefill one instance; read stale, oracle and ``states(pp)`` in one batched readout."""
-    lm = ctx.lm
-    pair = tokenize_pair(lm.tokenizer, inst, lm.has_chat_template)
-    pp = prefill_pair(lm, pair)
-    anchor, lds, rec = measure(lm, pp, states(pp) if states else {}, ctx.cfg.batch_size)
-    return Case(pair, pp, anchor, lds, rec)
-
-
-def case_row(ctx: Any, inst: Any, case: Case) -> dict[str, Any]:
-    """Instance fields, sizes, anchors, the gate decision, and each named state's ld and recovery."""
-    return {**inst.row(), "n_tokens": len(case.pair), "field_slots": case.pair.field_slots,
-            "n_downstream": len(case.pp.downstream_slots), **case.anchor.row(),
-            "included": case.anchor.gate(ctx.cfg.gate.min_flip, ctx.cfg.gate.require_oracle_correct),
-            **{f"{k}_ld": v for k, v in case.lds.items()}, **case.rec}
-
-
-def ld_from_recovery(anchor: Anchors, rec: Sequence[float]) -> list[float]:
-    return [anchor.stale_ld + r * anchor.flip for r in rec]
-
-
-def same_decision(anchor: Anchors, lds: Sequence[float], target: str) -> list[bool | None]:
-    """Per ld, whether its decision (sign of the action logit difference) is the ``target`` anchor's
-    ('stale' or 'oracle'); None where stale and oracle decide alike (nothing to follow or revert to)."""
-    ref = anchor.stale_ld if target == "stale" else anchor.oracle_ld
-    if (anchor.stale_ld > 0) == (anchor.oracle_ld > 0):
-        return [None] * len(lds)
-    return [(ld > 0) == (ref > 0) for ld in lds]
+# Case, probe_case, case_row, ld_from_recovery and same_decision live in kvprobe.probes.case (re-exported here
+# for the experiments that import them from this module).
 
 
 def polarity_instances(ctx: Any) -> list[Any]:
@@ -157,14 +121,15 @@ def _as_dict(curve: Any) -> dict[str, Any]:
 def curve_summary(rows: Sequence[dict[str, Any]], key: str | Callable[[dict[str, Any]], Any],
                   seed: int = 0) -> dict[str, Any]:
     """Per label of each row's curve (``row[key]``, or ``key(row)``; a dict, or a list indexed 0..n-1): mean
-    with bootstrap CI over gated and over all instances. Booleans summarize as rates."""
+    with a cluster-bootstrap CI by scenario over gated and over all instances. Booleans summarize as rates
+    with exact (Clopper-Pearson) intervals."""
     get = key if callable(key) else (lambda row: row[key])
     flat, labels = [], []
     for row in rows:
         curve = _as_dict(get(row))
         labels += [k for k in curve if k not in labels]
-        flat.append({"included": row["included"],
-                     **{k: (None if v is None else float(v)) for k, v in curve.items()}})
+        flat.append({"included": row["included"], "scenario": row.get("scenario", f"#{row.get('index')}"),
+                     **{k: (v if v is None or isinstance(v, bool) else float(v)) for k, v in curve.items()}})
     for f in flat:
         for k in labels:
             f.setdefault(k, None)
@@ -193,6 +158,7 @@ def curves_table(summary: dict[str, Any], sections: Sequence[tuple[str, str]]) -
         for label, stat in summary[key].items():
             s = stat[w]
             cell = "n/a" if not s["n"] or s["mean"] is None else \
+                f"{s['mean']:+.3f} (no CI: {s.get('ci_note', '')}) n={s['n']}" if s.get("ci_low") is None else \
                 f"{s['mean']:+.3f} [{s['ci_low']:+.3f}, {s['ci_high']:+.3f}] n={s['n']}"
             lines.append(f"  {label:<14}{cell}")
     return "\n".join(lines)

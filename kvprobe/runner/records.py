@@ -19,7 +19,7 @@ from typing import Any
 
 from kvprobe.errors import KVProbeError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: CIs clustered by scenario, exact intervals for proportions (summaries gain ci_method, n_clusters)
 _PACKAGES = ("kvprobe", "torch", "transformers", "nnsight", "transformer-lens", "sae-lens", "peft", "gguf",
              "numpy", "scikit-learn", "statsmodels", "pandas", "pydantic")
 

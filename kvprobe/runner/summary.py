@@ -1,4 +1,10 @@
-"""Summaries every field-change record shares: the oracle-flip distribution, the gate, recoveries with CIs."""
+"""Summaries every field-change record shares: the oracle-flip distribution, the gate, recoveries with CIs.
+
+Recovery means get a cluster-bootstrap CI by scenario (instances of one scenario are not independent);
+rates (booleans: oracle accuracy, follow/revert rates) get exact Clopper-Pearson intervals. Every summary
+keeps the keys older records have (``mean``, ``ci_low``, ``ci_high``, ``n``) and adds ``n_clusters``,
+``ci_method`` and, where there is no interval, ``ci_note``; readers of schema-1 records work unchanged.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvprobe.stats.bootstrap import quantiles, summarize
+from kvprobe.stats.inference import summarize_proportion
 
 
 def which(summary: dict[str, Any]) -> str:
@@ -14,12 +21,15 @@ def which(summary: dict[str, Any]) -> str:
 
 
 def ci_cell(stat: dict[str, Any] | None, digits: int = 2, signed: bool = False) -> str:
-    """``mean [ci_low, ci_high]`` of a bootstrap summary, or ``n/a`` when it holds no instance."""
+    """``mean [ci_low, ci_high]`` of a summary, ``n/a`` when it holds no instance, and the mean with the
+    reason where there is no interval (one instance or one scenario)."""
     if not stat or not stat.get("n") or stat.get("mean") is None:
         return "n/a"
     f = f"{{:{'+' if signed else ''}.{digits}f}}"
     if stat["n"] == 1:  # a bootstrap over one instance is no interval
         return f"{f.format(stat['mean'])} (one instance)"
+    if stat.get("ci_low") is None or stat.get("ci_high") is None:
+        return f"{f.format(stat['mean'])} (no CI: {stat.get('ci_note', 'one cluster')})"
     return f"{f.format(stat['mean'])} [{f.format(stat['ci_low'])}, {f.format(stat['ci_high'])}]"
 
 
@@ -31,9 +41,24 @@ def headline_stats(summary: dict[str, Any], key: str, labels: dict[str, str], di
     return "; ".join(cells) + ("" if w == "gated" else " (all instances: none gated)")
 
 
+def scenarios(rows: Sequence[dict[str, Any]]) -> list[Any]:
+    """The cluster of each row: its scenario (rows without one are their own cluster)."""
+    return [r.get("scenario", f"#{r.get('index', i)}") for i, r in enumerate(rows)]
+
+
+def summarize_column(rows: Sequence[dict[str, Any]], values: Sequence[Any], seed: int = 0) -> dict[str, Any]:
+    """A column of ``rows``: a rate with its exact interval when every present value is a bool, else a mean
+    with a cluster-bootstrap CI by scenario."""
+    present = [v for v in values if v is not None]
+    if present and all(isinstance(v, bool) for v in present):
+        return summarize_proportion(values, scenarios(rows))
+    return summarize([None if v is None else float(v) for v in values], seed=seed, clusters=scenarios(rows))
+
+
 def gate_summary(rows: Sequence[dict[str, Any]], gate: Any) -> dict[str, Any]:
     flips = [r["flip"] for r in rows]
     included = [r for r in rows if r["included"]]
+    clusters = scenarios(rows)
     return {
         "gate": {"min_flip": gate.min_flip, "require_oracle_correct": gate.require_oracle_correct},
         "n_instances": len(rows),
@@ -42,30 +67,37 @@ def gate_summary(rows: Sequence[dict[str, Any]], gate: Any) -> dict[str, Any]:
         "oracle_flip": quantiles(flips),
         "oracle_accuracy": sum(bool(r["oracle_correct"]) for r in rows) / max(len(rows), 1),
         "stale_accuracy": sum(bool(r["stale_correct"]) for r in rows) / max(len(rows), 1),
+        "oracle_accuracy_ci": summarize_proportion([bool(r["oracle_correct"]) for r in rows], clusters),
+        "stale_accuracy_ci": summarize_proportion([bool(r["stale_correct"]) for r in rows], clusters),
+        "n_scenarios": len(set(map(str, clusters))),
     }
 
 
 def recovery_summary(rows: Sequence[dict[str, Any]], keys: Sequence[str], seed: int = 0) -> dict[str, Any]:
-    """Per key: mean recovery and bootstrap CI over gated instances, and over all instances for contrast."""
+    """Per key: mean recovery with a cluster-bootstrap CI by scenario (a rate with its exact interval for
+    boolean columns), over gated instances, and over all instances for contrast."""
+    gated = [r for r in rows if r["included"]]
     out: dict[str, Any] = {}
     for key in keys:
-        out[key] = {"gated": summarize([r[key] for r in rows if r["included"]], seed=seed),
-                    "all": summarize([r[key] for r in rows], seed=seed)}
+        out[key] = {"gated": summarize_column(gated, [r.get(key) for r in gated], seed),
+                    "all": summarize_column(rows, [r.get(key) for r in rows], seed)}
     return out
 
 
 def format_recovery_table(summary: dict[str, Any], keys: Sequence[str]) -> str:
     g = summary["gate"]
     lines = [f"instances {summary['n_instances']}, included {summary['n_included']} "
-             f"(gate: oracle flip >= {g['min_flip']} nats); oracle flip median "
+             f"(inclusion rule: oracle flip >= {g['min_flip']} nats); oracle flip median "
              f"{summary['oracle_flip'].get('median', float('nan')):.3f} nats",
-             f"{'state':<18}{'recovery, gated instances':<36}{'recovery, all instances':<36}"]
+             f"{'state':<18}{'recovery, included':<36}{'recovery, all':<36}"]
     for key in keys:
         r = summary["recovery"][key]
 
         def cell(s: dict[str, Any]) -> str:
             if s["n"] == 0 or s["mean"] is None:
                 return "n/a"
+            if s.get("ci_low") is None:
+                return f"{s['mean']:+.3f} (no CI) n={s['n']}"
             return f"{s['mean']:+.3f} [{s['ci_low']:+.3f}, {s['ci_high']:+.3f}] n={s['n']}"
 
         lines.append(f"{key:<18}{cell(r['gated']):<36}{cell(r['all']):<36}")

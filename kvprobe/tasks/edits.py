@@ -74,7 +74,7 @@ def hoisted_body(template: GatedTemplate, inst: GatedInstance, value: str) -> st
 def prompt_text(tokenizer: Any, inst: GatedInstance, body: str, chat: bool) -> tuple[str, bool]:
     """Full prompt string (chat-wrapped when the model has a template, answer prefix appended) and whether
     the tokenizer adds its own special tokens, exactly as :func:`tokenize_pair` renders the originals."""
-    text, special = render(tokenizer, body, chat)
+    text, special = render(tokenizer, body, chat, getattr(inst, "system", ""))
     return text + inst.answer_prefix, special
 
 
@@ -86,7 +86,7 @@ def prompt_ids(tokenizer: Any, inst: GatedInstance, body: str, chat: bool) -> li
 def answer_prefix_tokens(tokenizer: Any, inst: GatedInstance, chat: bool) -> int:
     """How many trailing tokens of the prompt are the answer prefix (the rest is the rendered body)."""
     full = prompt_ids(tokenizer, inst, inst.body(inst.old_value), chat)
-    text, special = render(tokenizer, inst.body(inst.old_value), chat)
+    text, special = render(tokenizer, inst.body(inst.old_value), chat, getattr(inst, "system", ""))
     bare = list(tokenizer(text, add_special_tokens=special)["input_ids"])
     shared = common_prefix_len(full, bare)
     if shared == len(full):

@@ -163,14 +163,25 @@ class TokenizedPair:
         return len(self.ids_old)
 
 
-def render(tokenizer: Any, text: str, chat: bool) -> tuple[str, bool]:
-    """The full prompt string for a body (chat-wrapped when the model has a template) and whether the
-    tokenizer should add its own special tokens (raw prompts: yes; chat templates carry them as text)."""
+def render(tokenizer: Any, text: str, chat: bool, system: str = "") -> tuple[str, bool]:
+    """The full prompt string for a body (chat-wrapped when the model has a template, after ``system`` as a
+    system message if given) and whether the tokenizer should add its own special tokens (raw prompts: yes;
+    chat templates carry them as text). A system message without a chat template is refused: the caller must
+    put the system text into the body (the scenario generator does so for raw models)."""
     if chat:
-        wrapped = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                add_generation_prompt=True)
-        return wrapped, False
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), False
+    if system:
+        raise KVProbeError("this prompt has a system message but the model has no chat template; generate the "
+                           "instance for a raw model (chat=False) so the system text goes into the prompt body")
     return text + "\n", True
+
+
+def instance_prompt(tokenizer: Any, inst: Any, value: str, chat: bool) -> tuple[str, bool]:
+    """An instance's prompt with ``value`` in the field, through its answer prefix (its system message, if the
+    instance has one, included)."""
+    prompt, special = render(tokenizer, inst.body(value), chat, getattr(inst, "system", ""))
+    return prompt + inst.answer_prefix, special
 
 
 def _encode(tokenizer: Any, text: str, special: bool) -> tuple[list[int], list[tuple[int, int]]]:
@@ -193,8 +204,7 @@ def tokenize_pair(tokenizer: Any, inst: GatedInstance, chat: bool) -> TokenizedP
         raise KVProbeError("this model has no tokenizer; text tasks need one (add tokenizer files to the model directory)")
     texts, encs = {}, {}
     for key, value in (("old", inst.old_value), ("new", inst.new_value)):
-        prompt, special = render(tokenizer, inst.body(value), chat)
-        prompt = prompt + inst.answer_prefix
+        prompt, special = instance_prompt(tokenizer, inst, value, chat)
         start = prompt.index(inst.before_field) + len(inst.before_field)
         texts[key] = (prompt, special, start, start + len(value))
         encs[key] = _encode(tokenizer, prompt, special)
@@ -225,8 +235,7 @@ def segment_prompt(tokenizer: Any, inst: GatedInstance, value: str, chat: bool,
     """Token ids of the prompt with ``value`` in the field, and the token index where each marker's text
     begins (a token straddling the boundary goes with the text after it). Used to cut a prompt into chunks
     without re-tokenizing the pieces (which could merge tokens differently at the cuts)."""
-    prompt, special = render(tokenizer, inst.body(value), chat)
-    prompt = prompt + inst.answer_prefix
+    prompt, special = instance_prompt(tokenizer, inst, value, chat)
     ids, offsets = _encode(tokenizer, prompt, special)
     cuts = []
     for marker in markers:

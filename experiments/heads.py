@@ -1,0 +1,132 @@
+"""Read and write heads (paper App. D (1), Figure 15a/f, Table 5 "read (top-12)" and "write").
+
+Write heads are the (layer, kv_head) whose K/V at the field and at the top-effect note positions carries the
+effect: each is patched alone stale -> oracle (that KV head's keys and values at those slots, one layer) and
+the decision re-read. Read heads are the (layer, q_head) at the decision token: each head's output (its slice
+of the o_proj input) is set to the oracle run's and the decision re-read. Heads are then ranked per instance
+(in-sample, as in the paper) and the top-k are patched jointly, against k random heads of the same kind
+(seeded draws). GQA: write results are per KV head with the query group it serves, read results per query
+head with the KV head it reads (kvprobe.probes.heads); nothing is padded to the other count.
+
+Identity, not a finding: patching every query head's output at every layer (``read_all``) recovers 1 up to
+float error, because the decision token's residual is then rebuilt from the oracle's head outputs layer by layer.
+
+Where our setting differs: the gated template (the paper's App. D uses the polarity 2x2 task); 135M models
+(30 layers, 9 query / 3 KV heads) instead of 8B; notes are the top-effect downstream slots of each instance
+(suffix ranking) rather than named aggregator tokens; read heads are found by output patching only (no
+direct-attribution pre-ranking).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvprobe.patching.ranking import rank_downstream
+from kvprobe.probes import probe_case, sweep
+from kvprobe.probes.heads import (kv_head_of, query_group, random_heads, read_heads, read_label, read_patch,
+                                  top_heads, write_heads, write_label, write_patch)
+from kvprobe.runner.experiment import Context, Experiment
+from kvprobe.runner.probe_common import case_row, curve_summary, curves_table
+from kvprobe.runner.summary import gate_summary, headline_stats, which
+
+CURVES = ("write_top", "write_random", "read_top", "read_random", "identity")
+
+
+class Params(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    top_notes: int = Field(4, ge=1, description="write heads are patched at the field + this many top notes")
+    include_field: bool = True
+    ks: list[int] = Field(default_factory=lambda: [1, 3, 5, 8, 12], description="joint top-k heads")
+    random_draws: int = Field(3, ge=1)
+    report_top: int = Field(12, ge=1, description="heads listed by name in the summary")
+
+
+def run_instance(ctx: Context, inst: Any) -> dict[str, Any]:
+    lm, p, bs, spec = ctx.lm, ctx.params, ctx.cfg.batch_size, ctx.lm.spec
+    case = probe_case(ctx, inst)
+    notes = rank_downstream(lm, case.pp, case.anchor, bs).top(p.top_notes)
+    slots = (case.pp.field_slots if p.include_field else []) + notes
+    w_pool, r_pool = write_heads(spec), read_heads(spec)
+    singles = {write_label(*h): write_patch([h], slots) for h in w_pool}
+    singles.update({read_label(*h): read_patch([h]) for h in r_pool})
+    one = sweep(lm, case, singles, batch_size=bs, actions_only=True)
+    w_eff = {h: one[write_label(*h)] for h in w_pool}
+    r_eff = {h: one[read_label(*h)] for h in r_pool}
+    joint = {"read_all": read_patch(r_pool), "write_all": write_patch(w_pool, slots)}
+    for k in p.ks:
+        joint[f"write_top:{k}"] = write_patch(top_heads(w_eff, k), slots)
+        joint[f"read_top:{k}"] = read_patch(top_heads(r_eff, k))
+        for j, draw in enumerate(random_heads(w_pool, k, p.random_draws, (ctx.cfg.seed, inst.index, k, 0))):
+            joint[f"write_rand:{k}:{j}"] = write_patch(draw, slots)
+        for j, draw in enumerate(random_heads(r_pool, k, p.random_draws, (ctx.cfg.seed, inst.index, k, 1))):
+            joint[f"read_rand:{k}:{j}"] = read_patch(draw)
+    many = sweep(lm, case, joint, batch_size=bs, actions_only=True)
+
+    def mean_draws(kind: str, k: int) -> float:
+        return sum(many[f"{kind}_rand:{k}:{j}"] for j in range(p.random_draws)) / p.random_draws
+
+    return {**case_row(ctx, inst, case), "note_slots": notes, "patched_slots": slots,
+            "write": {write_label(*h): v for h, v in w_eff.items()},
+            "read": {read_label(*h): v for h, v in r_eff.items()},
+            "write_top": {str(k): many[f"write_top:{k}"] for k in p.ks},
+            "write_random": {str(k): mean_draws("write", k) for k in p.ks},
+            "read_top": {str(k): many[f"read_top:{k}"] for k in p.ks},
+            "read_random": {str(k): mean_draws("read", k) for k in p.ks},
+            "identity": {"read_all": many["read_all"]}, "write_all": many["write_all"],
+            "top_write_heads": [[*h, w_eff[h]] for h in top_heads(w_eff, p.report_top)],
+            "top_read_heads": [[*h, r_eff[h]] for h in top_heads(r_eff, p.report_top)],
+            "n_cells": len(singles) + len(joint)}
+
+
+def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    spec, seed = ctx.lm.spec, ctx.cfg.seed
+    out = gate_summary(rows, ctx.cfg.gate)
+    out.update(n_layers=spec.n_layers, n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads,
+               group_size=spec.n_heads // spec.n_kv_heads, top_notes=ctx.params.top_notes)
+    for key in CURVES:
+        out[key] = curve_summary(rows, key, seed)
+    out["write_all"] = curve_summary(rows, lambda r: {"write_all": r["write_all"]}, seed)["write_all"]
+    w = which(out)
+    write = curve_summary(rows, "write", seed)
+    read = curve_summary(rows, "read", seed)
+    out["write_heads"] = sorted(
+        ({"layer": layer, "kv_head": h, "query_group": query_group(spec, h), **write[f"L{layer}.KV{h}"]}
+         for layer, h in write_heads(spec)), key=lambda e: -(e[w]["mean"] or 0.0))
+    out["read_heads"] = sorted(
+        ({"layer": layer, "q_head": h, "kv_head": kv_head_of(spec, h), **read[f"L{layer}.Q{h}"]}
+         for layer, h in read_heads(spec)), key=lambda e: -(e[w]["mean"] or 0.0))
+    seconds = sum(r.get("seconds", 0.0) for r in rows)
+    out["cells"] = sum(r["n_cells"] for r in rows)
+    out["cells_per_second"] = out["cells"] / seconds if seconds else None
+    return out
+
+
+def table(s: dict[str, Any]) -> str:
+    text = curves_table(s, [("read heads, top-k jointly (decision-token outputs from the oracle)", "read_top"),
+                            ("read heads, k random", "read_random"),
+                            ("write heads, top-k jointly (K/V at field + top notes)", "write_top"),
+                            ("write heads, k random", "write_random"),
+                            ("identity (every head's output patched)", "identity")])
+    w = which(s)
+    reads = ", ".join(f"L{e['layer']}.Q{e['q_head']}(kv{e['kv_head']}) {e[w]['mean']:+.2f}" for e in s["read_heads"][:6])
+    writes = ", ".join(f"L{e['layer']}.KV{e['kv_head']}(q{e['query_group'][0]}-{e['query_group'][-1]}) "
+                       f"{e[w]['mean']:+.2f}" for e in s["write_heads"][:6])
+    return f"{text}\nstrongest read heads: {reads}\nstrongest write heads: {writes}\n" \
+           f"{s['cells']} cells, {s['cells_per_second'] or 0:.1f} cells/s"
+
+
+def headline(s: dict[str, Any]) -> str:
+    top = s["read_heads"][0]
+    return ("read " + headline_stats(s, "read_top", {"12": "top-12"}) + "; random "
+            + headline_stats(s, "read_random", {"12": "12"}) + "; write " + headline_stats(s, "write_top", {"12": "top-12"})
+            + f"; strongest read head L{top['layer']}.Q{top['q_head']}")
+
+
+EXPERIMENT = Experiment(name="heads", doc=__doc__, params=Params, run_instance=run_instance,
+                        summarize=summarize_rows, table=table, headline=headline,
+                        paper={"gated": "App. D (1), polarity task: top-k read heads jointly recover 0.19/0.45/0.59/"
+                                        "0.70/0.78 at k=1/3/5/8/12 (Llama-3.1-8B; top-12 0.77/0.72/0.82 on Qwen3-8B/"
+                                        "Gemma-2-9B/Mistral-7B; random heads ~0); write heads at the single top "
+                                        "aggregator saturate at 0.28/0.08/0.24/0.11 (Tab. 5)"})

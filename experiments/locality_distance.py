@@ -1,0 +1,161 @@
+"""Locality against distance and prompt format: when does a model read the field directly, and when its notes?
+
+The paper measures one point of this curve (Section 3 probe (1), Figure 3a: field-only recovery -0.028 on
+Llama-3.1-8B, the field 544+ tokens upstream in one template). Here the field-to-decision distance and the
+prompt format are swept with the procedural scenario generator (:mod:`kvprobe.tasks.generator`): for each
+(format, distance) cell, the same families (paired across cells) are rendered with neutral note lines
+filling the gap, the real token distance is measured with the model's tokenizer, and each instance gets
+the locality states of :mod:`experiments.locality`: stale and oracle (recovery 0 and 1 by construction),
+field-only (the finding) and full-downstream (1 to float error: an identity, kept as a check).
+
+Per cell the record reports the effect size (the oracle flip of the action logit difference, median and
+mean), the inclusion rate under the gate (``gate.min_flip``; recoveries are means over included instances)
+and field-only / full-downstream recovery with cluster-bootstrap CIs by family. Cells a format cannot reach
+(its fixed text after the field is longer than the distance) are listed as infeasible, not measured.
+
+Where our setting differs: 135M-0.5B models, generated English scenarios, the decision read as the first
+token of each action word after ``Decision:``; families come from the generator's test split unless
+``params.split`` says otherwise, or are the fixed template's hand-written scenarios when ``task.scenarios``
+names them (the families on which pretrained qwen2.5-coder-0.5b was seen to gate, issue #14 (b)).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from kvprobe.cache_dir import project_path
+from kvprobe.patching.pairs import measure, prefill_pair
+from kvprobe.runner.experiment import Context, Experiment
+from kvprobe.runner.probe_common import Case, case_row
+from kvprobe.runner.summary import ci_cell, gate_summary, recovery_summary
+from kvprobe.stats.bootstrap import quantiles
+from kvprobe.tasks.generator import FORMATS, GATED_TEMPLATE, SPLITS, InfeasibleDistance, build_generated, \
+    load_words, template_family, tokenize_generated
+
+STATES = ("field_only", "full_downstream")
+
+
+class Params(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    distances: list[int] = Field([50, 150, 300, 600, 1200, 2000], min_length=1,
+                                 description="target field-to-decision distances in tokens")
+    formats: list[str] = Field(list(FORMATS), min_length=1)
+    instances_per_cell: int = Field(4, ge=1, description="families per (format, distance) cell, paired across cells")
+    split: str = Field("test", description="generator split the families come from")
+    counterfactual: float = Field(0.5, ge=0.0, le=1.0, description="probability of an exchanged-values rule")
+
+    @field_validator("formats")
+    @classmethod
+    def _known_formats(cls, v: list[str]) -> list[str]:
+        unknown = sorted(set(v) - set(FORMATS))
+        if unknown:
+            raise ValueError(f"unknown formats {unknown}; choose from {list(FORMATS)}")
+        return v
+
+    @field_validator("split")
+    @classmethod
+    def _known_split(cls, v: str) -> str:
+        if v not in SPLITS:
+            raise ValueError(f"split must be one of {list(SPLITS)}")
+        return v
+
+
+def make_instances(ctx: Context) -> list[Any]:
+    """Every feasible (format, distance) cell x ``instances_per_cell`` families; draw j is the same family
+    in every cell. ``task.template`` names the word list (its hash enters the record name). With
+    ``task.scenarios`` set, the families are those hand-written scenarios of ``configs/tasks/gated.yaml``
+    (draw j takes the j-th, cycling; their own rules, never counterfactual) in the generator's formats."""
+    p, lm = ctx.params, ctx.lm
+    words = load_words(project_path(ctx.cfg.task.template))
+    fixed = None
+    if ctx.cfg.task.scenarios:
+        from kvprobe.tasks.gated import load_template
+
+        template = load_template(GATED_TEMPLATE)
+        fixed = [template_family(template.scenario(name)) for name in ctx.cfg.task.scenarios]
+    insts, infeasible = [], []
+    for c, (fmt, dist) in enumerate((f, d) for f in p.formats for d in p.distances):
+        for j in range(p.instances_per_cell):
+            try:
+                insts.append(build_generated(c * p.instances_per_cell + j, ctx.cfg.seed, p.split, fmt,
+                                             tokenizer=lm.tokenizer, chat=lm.has_chat_template, distance=dist,
+                                             counterfactual=0.0 if fixed else p.counterfactual, words=words,
+                                             draw=j, family=fixed[j % len(fixed)] if fixed else None))
+            except InfeasibleDistance as exc:
+                infeasible.append({"format": fmt, "distance": dist, "reason": str(exc)})
+                break
+    ctx.scratch["infeasible"] = infeasible
+    return insts
+
+
+def run_instance(ctx: Context, inst: Any) -> dict[str, Any]:
+    lm = ctx.lm
+    pair = tokenize_generated(lm.tokenizer, inst, lm.has_chat_template)
+    pp = prefill_pair(lm, pair)
+    anchor, lds, rec = measure(lm, pp, {"field_only": pp.field_only(), "full_downstream": pp.full_downstream()},
+                               ctx.cfg.batch_size)
+    return case_row(ctx, inst, Case(pair, pp, anchor, lds, rec))
+
+
+def _cell(rows: list[dict[str, Any]], seed: int) -> dict[str, Any]:
+    flips = [r["flip"] for r in rows]
+    included = [r for r in rows if r["included"]]
+    return {"n": len(rows), "n_included": len(included), "inclusion_rate": len(included) / len(rows),
+            "distance_tokens_mean": sum(r["distance_tokens"] for r in rows) / len(rows),
+            "oracle_flip": quantiles(flips), "oracle_flip_mean": sum(flips) / len(flips),
+            "oracle_accuracy": sum(bool(r["oracle_correct"]) for r in rows) / len(rows),
+            "recovery": recovery_summary(rows, STATES, seed=seed)}
+
+
+def summarize(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    summary = gate_summary(rows, ctx.cfg.gate)
+    summary["inclusion_rule"] = (f"an instance enters the recovery means when its oracle flip (new minus old "
+                                 f"action logit difference, clean prefills) is >= {ctx.cfg.gate.min_flip} nats"
+                                 + (" and the oracle and stale decisions are both correct"
+                                    if ctx.cfg.gate.require_oracle_correct else ""))
+    summary["effect_size"] = "oracle flip in nats of the action logit difference (per cell: median and mean)"
+    summary["recovery"] = recovery_summary(rows, STATES, seed=ctx.cfg.seed)
+    cells: dict[str, dict[str, Any]] = {}
+    for fmt in ctx.params.formats:
+        for dist in ctx.params.distances:
+            part = [r for r in rows if r["format"] == fmt and r["distance_target"] == dist]
+            if part:
+                cells.setdefault(fmt, {})[str(dist)] = _cell(part, ctx.cfg.seed)
+    summary["cells"] = cells
+    summary["infeasible"] = ctx.scratch.get("infeasible", [])
+    summary["families"] = (f"template scenarios {list(ctx.cfg.task.scenarios)} (own rules, congruent)"
+                           if ctx.cfg.task.scenarios else f"generated, split '{ctx.params.split}'")
+    summary["identities"] = {"stale": 0.0, "oracle": 1.0, "full_downstream": "1 to float error (same prefix)"}
+    return summary
+
+
+def table(summary: dict[str, Any]) -> str:
+    lines = [f"gate: {summary['inclusion_rule']}",
+             f"{'format':<16}{'dist':>6}{'tokens':>8}{'incl':>7}{'flip med':>10}   field-only recovery (included)"]
+    for fmt, by_d in summary["cells"].items():
+        for d, c in by_d.items():
+            lines.append(f"{fmt:<16}{d:>6}{c['distance_tokens_mean']:>8.0f}{c['n_included']:>4}/{c['n']:<2}"
+                         f"{c['oracle_flip'].get('median', float('nan')):>10.2f}   "
+                         f"{ci_cell(c['recovery']['field_only']['gated'])}")
+    for x in summary["infeasible"]:
+        lines.append(f"{x['format']:<16}{x['distance']:>6}  infeasible")
+    return "\n".join(lines)
+
+
+def headline(summary: dict[str, Any]) -> str:
+    parts = []
+    for fmt, by_d in summary["cells"].items():
+        ds = sorted(by_d, key=int)
+        lo, hi = by_d[ds[0]], by_d[ds[-1]]
+        parts.append(f"{fmt}: field-only {ci_cell(lo['recovery']['field_only']['gated'])} at {ds[0]} tok -> "
+                     f"{ci_cell(hi['recovery']['field_only']['gated'])} at {ds[-1]} tok "
+                     f"(included {lo['n_included']}/{lo['n']}, {hi['n_included']}/{hi['n']})")
+    return "; ".join(parts)
+
+
+EXPERIMENT = Experiment(name="locality_distance", doc=__doc__, params=Params, run_instance=run_instance,
+                        summarize=summarize, make_instances=make_instances, table=table, headline=headline,
+                        paper={"scenario_words": "one point: field-only -0.028 at 544+ tokens, one template "
+                                                 "(Llama-3.1-8B, Fig. 3a)"})

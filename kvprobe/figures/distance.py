@@ -1,0 +1,89 @@
+"""Locality against distance (paper Figure 3a, swept over distance and prompt format).
+
+One row per model (the cells of all its ``locality_distance`` records, newest first): the oracle flip (median, nats), the inclusion
+rate under the record's gate, and field-only recovery (mean over included instances, cluster-bootstrap CI)
+against the measured field-to-decision distance, one line per format. A cell with no included instance has
+no recovery point (a ratio over sub-threshold flips is noise); the paper's single point (Llama-3.1-8B,
+field-only -0.028 at 544+ tokens) is drawn for reference.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib.pyplot as plt
+
+PAPER_POINT = (544, -0.028)
+MARKERS = {"system_user": "o", "user_turn": "s", "document_qa": "^", "few_shot": "D", "tool_call": "v",
+           "gated_template": "X"}
+
+
+def _cells_per_model(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per model, every (format, distance) cell its records measured (a newer record's cell replaces an
+    older one's, so a focused rerun of one cell with more families refines the grid; cells on the fixed
+    template's hand-written scenarios are kept apart, dashed) and the newest gate."""
+    out: dict[str, dict[str, Any]] = {}
+    for rec in records:  # oldest first
+        entry = out.setdefault(rec["model"]["name"], {"cells": {}, "gate": None})
+        # Hand-written template scenarios are other families than generated ones: their own lines.
+        tag = ", template scenarios" if rec["config"]["task"].get("scenarios") else ""
+        for fmt, by_d in rec["summary"]["cells"].items():
+            entry["cells"].setdefault(fmt + tag, {}).update(by_d)
+        entry["gate"] = rec["summary"]["gate"]["min_flip"]
+    return out
+
+
+def fig_locality_distance(records: list[dict[str, Any]], path: Path) -> None:
+    per_model = _cells_per_model(records)
+    if not per_model:
+        return
+    labels_all = sorted({lab for e in per_model.values() for lab in e["cells"]},
+                        key=lambda lab: (lab.split(",")[0] not in MARKERS, list(MARKERS).index(lab.split(",")[0])
+                                         if lab.split(",")[0] in MARKERS else 0, lab))
+    colors = {lab: plt.get_cmap("tab10")(i % 10) for i, lab in enumerate(labels_all)}  # same line, same color
+    fig, axes = plt.subplots(len(per_model), 3, figsize=(11.5, 3.0 * len(per_model)), squeeze=False)
+    for row, (name, entry) in zip(axes, per_model.items()):
+        for fmt, by_d in entry["cells"].items():
+            cells = sorted(by_d.values(), key=lambda c: c["distance_tokens_mean"])
+            xs = [c["distance_tokens_mean"] for c in cells]
+            kw = dict(marker=MARKERS.get(fmt.split(",")[0], "o"), ms=4, lw=1.2, label=fmt, color=colors[fmt],
+                      ls="--" if fmt.endswith("template scenarios") else "-")
+            row[0].plot(xs, [c["oracle_flip"].get("median") for c in cells], **kw)
+            row[1].plot(xs, [c["inclusion_rate"] for c in cells], **kw)
+            rec_pts = [(x, c["recovery"]["field_only"]["gated"]) for x, c in zip(xs, cells) if c["n_included"]]
+            if rec_pts:
+                row[2].plot([x for x, _ in rec_pts], [s["mean"] for _, s in rec_pts], **kw)
+                for x, s in rec_pts:
+                    if s.get("ci_low") is not None and s.get("ci_high") is not None:
+                        row[2].vlines(x, s["ci_low"], s["ci_high"], color=colors[fmt], lw=0.8)
+        gate = entry["gate"]
+        row[0].axhline(gate, color="black", lw=0.6, ls=":")
+        row[0].set_ylabel(f"{name}\noracle flip, median (nats)", fontsize=8)
+        row[1].set_ylabel(f"included (flip >= {gate})", fontsize=8)
+        row[1].set_ylim(-0.05, 1.05)
+        row[2].set_ylabel("field-only recovery", fontsize=8)
+        row[2].axhline(0, color="black", lw=0.6)
+        row[2].axhline(1, color="black", lw=0.4, ls=":")
+        row[2].plot(*PAPER_POINT, marker="*", color="black", ms=9, ls="none", label="paper (Llama-3.1-8B)")
+        for ax in row:
+            ax.set_xscale("log")
+            ax.set_xlim(30, 3000)  # the whole swept range on every panel
+            ax.set_xlabel("field-to-decision distance (tokens, measured)", fontsize=8)
+            ax.tick_params(labelsize=7)
+    axes[0][0].set_title("effect size", fontsize=9)
+    axes[0][1].set_title("inclusion rate", fontsize=9)
+    axes[0][2].set_title("field-only recovery (included instances)", fontsize=9)
+    handles, labels = axes[0][2].get_legend_handles_labels()
+    for ax in axes[:, 0]:
+        h, lab = ax.get_legend_handles_labels()
+        handles += [x for x, y in zip(h, lab) if y not in labels]
+        labels += [y for y in lab if y not in labels]
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=7, frameon=False)
+    fig.suptitle("Locality against distance and format (paper Fig. 3a, one point of this curve)", fontsize=10)
+    fig.tight_layout(rect=(0, 0.1, 1, 0.97))  # room for the shared legend (save() would drop it)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+DISTANCE_FIGURES = {"fig3a_locality_distance": ("locality_distance", fig_locality_distance)}

@@ -1,0 +1,13 @@
+"""The probe layer between the core (kv, patching) and ``experiments/``.
+
+- :mod:`kvprobe.probes.case`: one :class:`Case` (pair, prefills, anchors, its row under the inclusion rule);
+- :mod:`kvprobe.probes.sweep`: the labelled sweep ``{label: patch} -> {label: value}``, metric as a parameter;
+- :mod:`kvprobe.probes.heads`: read/write head cells and their GQA bookkeeping;
+- :mod:`kvprobe.probes.scrub`: causal-scrubbing hypotheses over KV slots and their resampling donors.
+"""
+
+from kvprobe.probes.case import Case, case_row, ld_from_recovery, probe_case, same_decision
+from kvprobe.probes.sweep import KV, METRICS, BlockOut, HeadOut, Joint, materialize, sweep, sweep_logits
+
+__all__ = ["Case", "case_row", "ld_from_recovery", "probe_case", "same_decision", "KV", "Joint", "HeadOut",
+           "BlockOut", "METRICS", "materialize", "sweep", "sweep_logits"]

@@ -1,0 +1,466 @@
+"""Procedural gated-decision scenarios: many families, six prompt formats, a controlled field distance.
+
+The fixed template (``configs/tasks/gated.yaml``) holds 24 hand-written scenarios in one prompt shape. This
+generator composes a *family* from word lists (``kvprobe/tasks/data/scenario_words.yaml``): a field name
+(subject x attribute), a value pair, an action pair and a rule phrasing, with hundreds of thousands of
+combinations. Per instance it draws the direction of the change (old -> new value), whether the rule is
+counterfactual (the two values exchanged against their everyday sense), and optionally a late correction
+(the field restated later with a new value; the latest value wins) or a reasoning answer prefix.
+
+Prompt formats (where the field and the rules sit):
+
+- ``system_user``: the policy in the system message, the field in the user turn (the shape on which the
+  pretrained qwen2.5-coder-0.5b gates, issue #14 (b));
+- ``user_turn``: one user message: policy, record, notes, question;
+- ``document_qa``: a document holding the field, then a question that states the rule;
+- ``few_shot``: a transcript of two decided cases, then the open case;
+- ``tool_call``: the field arrives in a tool response (JSON), notes as log lines;
+- ``gated_template``: today's template (session context, policy with >= 20 filler rules, tools,
+  conversation, task).
+
+The field-to-decision distance (tokens after the field's last token, up to the token the decision is read
+after) is a parameter: neutral note lines fill the gap until the tokenizer's count is within a few tokens
+of the target; the measured count is recorded in every instance (``distance_tokens``).
+
+Splits: every word list is split by position (index mod 5: 0-2 train, 3 validation, 4 test), and the
+formats are split too (:data:`FORMAT_SPLITS`), so a test family shares no subject, value pair, action pair
+or rule phrasing with any training family, and two test formats are never seen in training.
+:func:`check_splits` proves the disjointness. Instances are :class:`GeneratedInstance` (a
+:class:`~kvprobe.tasks.gated.GatedInstance` with an optional system message) and tokenize with
+:func:`tokenize_generated`, which applies the existing equal-length and contiguity checks of
+:func:`~kvprobe.tasks.gated.tokenize_pair`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import random
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvprobe.errors import KVProbeError
+from kvprobe.tasks.gated import GatedInstance, TokenizedPair, tokenize_pair
+
+WORDS_FILE = Path(__file__).parent / "data" / "scenario_words.yaml"
+GATED_TEMPLATE = "configs/tasks/gated.yaml"
+SPLITS = ("train", "validation", "test")
+FORMATS = ("system_user", "user_turn", "document_qa", "few_shot", "tool_call", "gated_template")
+FORMAT_SPLITS: dict[str, tuple[str, ...]] = {"train": ("gated_template", "user_turn", "document_qa"),
+                                             "validation": ("few_shot",),
+                                             "test": ("system_user", "tool_call")}
+ANSWER_PREFIX = "Decision:"
+REASONING_PREFIX = "Reasoning:"
+DEFAULT_NOTES = 25  # note lines when no distance is asked for (the issue's chat prompt had ~25)
+_VALUE = "\x00VALUE\x00"  # where the field's value goes while a body is assembled
+
+
+class InfeasibleDistance(KVProbeError):
+    """The format's fixed text after the field is already longer than the asked distance."""
+
+
+@dataclass(frozen=True)
+class Words:
+    subjects: tuple[str, ...]
+    attributes: tuple[str, ...]
+    value_pairs: tuple[tuple[str, str], ...]
+    action_pairs: tuple[tuple[str, str], ...]
+    rules: tuple[str, ...]
+    requests: tuple[str, ...]
+    note_people: tuple[str, ...]
+    note_verbs: tuple[str, ...]
+    note_objects: tuple[str, ...]
+    note_times: tuple[str, ...]
+    note_extras: tuple[str, ...]
+
+
+@lru_cache(maxsize=4)
+def load_words(path: str | Path = WORDS_FILE) -> Words:
+    """The word lists (YAML, the shape of ``kvprobe/tasks/data/scenario_words.yaml``); every entry a string."""
+    raw = yaml.safe_load(Path(path).read_text())
+    names = [f.name for f in dataclasses.fields(Words)]
+    if not isinstance(raw, dict) or set(raw) != set(names):
+        got = sorted(raw) if isinstance(raw, dict) else type(raw).__name__
+        raise KVProbeError(f"{Path(path).name} is not a scenario word list: it needs exactly the keys {names}, "
+                           f"got {got}")
+    out = {}
+    for name in names:
+        entries = [tuple(v) if isinstance(v, list) else v for v in raw[name]]
+        flat = [w for e in entries for w in (e if isinstance(e, tuple) else (e,))]
+        if not all(isinstance(w, str) for w in flat):  # YAML reads yes/no/on/off as booleans
+            raise KVProbeError(f"{Path(path).name}: '{name}' holds a non-string entry; quote it")
+        out[name] = tuple(entries)
+    return Words(**out)
+
+
+def split_of_position(index: int) -> str:
+    """The split a word-list entry belongs to: position mod 5 -> 0-2 train, 3 validation, 4 test."""
+    return ("train", "train", "train", "validation", "test")[index % 5]
+
+
+def split_list(items: Sequence[Any], split: str) -> list[Any]:
+    if split not in SPLITS:
+        raise KVProbeError(f"split '{split}' is not one of {', '.join(SPLITS)}")
+    return [x for i, x in enumerate(items) if split_of_position(i) == split]
+
+
+def _words_of(entry: Any) -> set[str]:
+    return set(entry) if isinstance(entry, tuple) else {entry}
+
+
+def check_splits(words: Words | None = None) -> dict[str, dict[str, int]]:
+    """Raise unless every word list and the formats are disjoint across splits; returns the sizes.
+
+    Disjointness is checked on the words themselves (a value that appeared in two pairs in two splits
+    would leak), not only on list positions."""
+    words = words or load_words()
+    sizes: dict[str, dict[str, int]] = {}
+    for kind in ("subjects", "attributes", "value_pairs", "action_pairs", "rules"):
+        items = getattr(words, kind)
+        seen: dict[str, str] = {}
+        for split in SPLITS:
+            part = split_list(items, split)
+            if not part:
+                raise KVProbeError(f"word list '{kind}' has no entry in split '{split}'")
+            sizes.setdefault(split, {})[kind] = len(part)
+            for entry in part:
+                for w in _words_of(entry):
+                    if seen.setdefault(w, split) != split:
+                        raise KVProbeError(f"'{w}' of word list '{kind}' is in both the {seen[w]} and {split} splits")
+    fmt_seen: dict[str, str] = {}
+    for split, fmts in FORMAT_SPLITS.items():
+        for f in fmts:
+            if fmt_seen.setdefault(f, split) != split:
+                raise KVProbeError(f"format '{f}' is in both the {fmt_seen[f]} and {split} splits")
+    if set(fmt_seen) != set(FORMATS):
+        raise KVProbeError(f"formats {sorted(set(FORMATS) - set(fmt_seen))} are in no split")
+    return sizes
+
+
+def family_space(split: str, words: Words | None = None) -> int:
+    """How many families a split can compose (before collision rejection)."""
+    words = words or load_words()
+    n = 1
+    for kind in ("subjects", "attributes", "value_pairs", "action_pairs", "rules"):
+        n *= len(split_list(getattr(words, kind), split))
+    return n
+
+
+@dataclass(frozen=True)
+class Family:
+    """One composed scenario family. ``values``: (permitting, blocking) in their everyday sense."""
+
+    subject: str
+    attribute: str
+    values: tuple[str, str]
+    actions: tuple[str, str]  # (permitting, blocking)
+    rule: str
+    split: str
+
+    @property
+    def field(self) -> str:
+        return f"{self.subject}_{self.attribute}"
+
+    @property
+    def name(self) -> str:
+        rule_id = hashlib.sha256(self.rule.encode()).hexdigest()[:6]
+        return f"{self.field}:{'/'.join(self.values)}->{'/'.join(self.actions)}#{rule_id}"
+
+    def words(self) -> set[str]:
+        return {self.subject, self.attribute, *self.values, *self.actions}
+
+
+def _stem_clash(a: str, b: str) -> bool:
+    a, b = a.lower(), b.lower()
+    return a.startswith(b) or b.startswith(a)
+
+
+def _collides(fam: Family) -> bool:
+    """Whether an action shares a stem with the field's words or values (e.g. 'flag' / 'flagged')."""
+    return any(_stem_clash(act, w) for act in fam.actions for w in (fam.subject, fam.attribute, *fam.values))
+
+
+def sample_family(rng: random.Random, split: str, words: Words | None = None) -> Family:
+    words = words or load_words()
+    parts = {k: split_list(getattr(words, k), split)
+             for k in ("subjects", "attributes", "value_pairs", "action_pairs", "rules")}
+    for _ in range(100):
+        fam = Family(rng.choice(parts["subjects"]), rng.choice(parts["attributes"]),
+                     tuple(rng.choice(parts["value_pairs"])), tuple(rng.choice(parts["action_pairs"])),
+                     rng.choice(parts["rules"]), split)
+        if not _collides(fam):
+            return fam
+    raise KVProbeError(f"no collision-free family in split '{split}' after 100 draws: widen the word lists")
+
+
+def template_family(scenario: Any) -> Family:
+    """A hand-written scenario of the fixed template (``configs/tasks/gated.yaml``) as a family: its field,
+    values, actions and its own rule text (values as written, so never counterfactual)."""
+    subject, _, attribute = scenario.field.rpartition("_")
+    rule = scenario.rule.replace("{", "{{").replace("}", "}}")  # literal: no placeholders to fill
+    return Family(subject or scenario.field, attribute, (scenario.allow_value, scenario.block_value),
+                  (scenario.allow_action, scenario.block_action), rule, "template")
+
+
+@dataclass(frozen=True)
+class GeneratedInstance(GatedInstance):
+    """A gated instance from the generator. ``system`` (possibly empty) is the system message of chat
+    formats; the body (``before_field + value + after_field``) is the user turn. Tokenize with
+    :func:`tokenize_generated` (or :meth:`tokenize`), which puts the system message in place."""
+
+    system: str = ""
+
+    def tokenize(self, tokenizer: Any, chat: bool) -> TokenizedPair:
+        return tokenize_generated(tokenizer, self, chat)
+
+    def chain(self, value: str) -> str:
+        """The reasoning chain that follows :data:`REASONING_PREFIX`: it restates the field, then the
+        decision word follows (`` <action>``)."""
+        return f" {self.field} is {value}, so the decision is"
+
+
+def tokenize_generated(tokenizer: Any, inst: GatedInstance, chat: bool) -> TokenizedPair:
+    """:func:`~kvprobe.tasks.gated.tokenize_pair`, which puts the instance's system message (if any) in the chat
+    template. Without a chat template the generator has already put the system text into the body."""
+    return tokenize_pair(tokenizer, inst, chat)
+
+
+def field_to_decision_tokens(pair: TokenizedPair) -> int:
+    """Tokens after the field's last token, through the token the decision is read after."""
+    return len(pair) - 1 - pair.field_slots[-1]
+
+
+# -- prompt formats --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Draw:
+    """The value-independent random choices of one instance."""
+
+    family: Family
+    rule_text: str
+    ref: str
+    request: str
+    question: str
+    shots: tuple[tuple[str, str, str], ...]  # few-shot (ref, value, action)
+    extra: dict[str, Any]
+
+
+def _note_line(fmt: str, note: str) -> str:
+    return f"log: {note}" if fmt == "tool_call" else f"- {note}"
+
+
+def _body(fmt: str, d: _Draw, field_text: str, notes: list[str]) -> tuple[str, str]:
+    """(system message, body) of a format with ``field_text`` as the field's value and the note lines."""
+    f = d.family.field
+    note_block = "\n".join(_note_line(fmt, n) for n in notes)
+    note_block = note_block + "\n" if note_block else ""
+    if fmt == "system_user":
+        system = f"You are an operations assistant. Follow this policy exactly.\nPolicy: {d.rule_text}"
+        return system, f"{f}: {field_text}\nreference: {d.ref}\n{note_block}\n{d.request} {d.question}"
+    if fmt == "user_turn":
+        return "", (f"You are an operations assistant. Apply the policy to the record below.\n"
+                    f"Policy: {d.rule_text}\n\nRecord {d.ref}\n{f}: {field_text}\n{note_block}\n"
+                    f"{d.request} {d.question}")
+    if fmt == "document_qa":
+        return "", (f"Read the document, then answer the question.\n\nDOCUMENT {d.ref}\n"
+                    f"Title: {d.family.subject} file\n{f}: {field_text}\n{note_block}END OF DOCUMENT\n\n"
+                    f"Question: {d.rule_text} {d.request} {d.question}")
+    if fmt == "few_shot":
+        shots = "".join(f"Case {r}\n{f}: {v}\n{ANSWER_PREFIX} {a}\n\n" for r, v, a in d.shots)
+        return "", (f"Decide each case by the rule.\nRule: {d.rule_text}\n\n{shots}Case {d.ref}\n{f}: {field_text}\n"
+                    f"{note_block}{d.request} {d.question}")
+    if fmt == "tool_call":
+        call = json.dumps({"name": f"lookup_{d.family.subject}", "arguments": {"id": d.ref}})
+        # The response is key: value lines, not JSON: a closing quote merges with some values' last token.
+        return "", (f"You are an agent with tools. Policy: {d.rule_text}\n\n<tool_call>{call}</tool_call>\n"
+                    f"<tool_response>\nid: {d.ref}\n{f}: {field_text}\n</tool_response>\n{note_block}\n"
+                    f"{d.request} {d.question}")
+    if fmt == "gated_template":
+        t = d.extra["template"]
+        rules = "\n".join(f"R{i}. {r}" for i, r in enumerate(d.extra["filler_rules"], start=1))
+        tools = "\n".join(f"- {x}" for x in t.tools)
+        notes_section = f"INTERNAL NOTES\n{note_block}\n" if note_block else ""
+        return "", (f"{t.preamble}\n\n{t.context_header}\n{f}: {field_text}\ncustomer: {d.extra['customer']}\n"
+                    f"channel: {d.extra['channel']}\nagent_id: agent-{d.extra['agent']}\n\n"
+                    f"{t.policy_header}\n{d.rule_text}\n{rules}\n\n{t.tools_header}\n{tools}\n\n"
+                    f"{t.conversation_header}\nuser: {d.request}\n{t.assistant_turn}\n\n{notes_section}"
+                    f"TASK\nDecide the single next action. {d.question}")
+    raise KVProbeError(f"format '{fmt}' is not one of {', '.join(FORMATS)}")
+
+
+def _clean_line(text: str, fam: Family) -> bool:
+    """A filler line may not mention any word of the family (nor a stem of one)."""
+    tokens = re.findall(r"[a-z]+", text.lower())
+    return not any(_stem_clash(t, w) for t in tokens if len(t) >= 3 for w in fam.words())
+
+
+def _note_stream(rng: random.Random, words: Words, fam: Family):
+    while True:
+        if rng.random() < 0.2:
+            note = rng.choice(words.note_extras)
+        else:
+            note = (f"{rng.choice(words.note_people)} {rng.choice(words.note_verbs)} "
+                    f"{rng.choice(words.note_objects)} {rng.choice(words.note_times)}.")
+        if _clean_line(note, fam):
+            yield note
+
+
+def _rng(*key: Any) -> random.Random:
+    return random.Random(int.from_bytes(hashlib.sha256(":".join(map(str, key)).encode()).digest()[:8], "big"))
+
+
+@lru_cache(maxsize=1)
+def _gated_template() -> Any:
+    from kvprobe.tasks.gated import load_template
+
+    return load_template(GATED_TEMPLATE)
+
+
+def build_generated(index: int, seed: int, split: str, fmt: str, *, tokenizer: Any = None, chat: bool = False,
+                    distance: int | None = None, counterfactual: float = 0.5, correction: float = 0.0,
+                    reasoning: float = 0.0, family: Family | None = None, words: Words | None = None,
+                    draw: int | None = None, n_notes: int | None = None) -> GeneratedInstance:
+    """Render one instance of ``fmt`` from a family of ``split`` (drawn from ``seed`` and ``index``).
+
+    ``distance``: target field-to-decision tokens (needs ``tokenizer``); None = ``n_notes`` note lines
+    (default :data:`DEFAULT_NOTES`). ``counterfactual`` / ``correction`` / ``reasoning``: probabilities
+    that the rule's values are exchanged, that the decisive value is a late correction of an earlier one,
+    and that the answer prefix asks for a reasoning chain before the decision word. ``draw`` (default
+    ``index``) keys the random choices: instances with the same ``draw`` share family, values, direction,
+    rule and notes, so the cells of a format x distance grid can be paired.
+    """
+    if fmt not in FORMATS:
+        raise KVProbeError(f"format '{fmt}' is not one of {', '.join(FORMATS)}")
+    if distance is not None and tokenizer is None:
+        raise KVProbeError("a target distance needs the tokenizer that will read the prompt")
+    words = words or load_words()
+    key = index if draw is None else draw
+    rng = _rng("generator", seed, split, key)
+    fam = family or sample_family(rng, split, words)
+    is_cf = rng.random() < counterfactual
+    if is_cf and fam.split == "template":
+        raise KVProbeError("a template scenario's rule names its values literally: use counterfactual=0")
+    pos, neg = fam.values
+    permit_value, block_value = (neg, pos) if is_cf else (pos, neg)
+    x, y = fam.actions
+    rule_text = fam.rule.format(field=fam.field, a=permit_value, b=block_value, x=x, y=y)
+    old_value, new_value = (permit_value, block_value) if rng.random() < 0.5 else (block_value, permit_value)
+    act = {permit_value: x, block_value: y}
+    options = [x, y]
+    rng.shuffle(options)
+    ref = f"{rng.choice('ABCDEFGHJKLMNPQRSTUVWXYZ')}{rng.randint(1000, 9999)}"
+    request = rng.choice(words.requests).format(subject=fam.subject, ref=ref)
+    question = f"Respond with exactly one word: {options[0]} or {options[1]}."
+    shot_values = [permit_value, block_value]
+    rng.shuffle(shot_values)
+    shots = tuple((f"{rng.choice('ABCDEFGHJKLMNPQRSTUVWXYZ')}{rng.randint(1000, 9999)}", v, act[v])
+                  for v in shot_values)
+    extra: dict[str, Any] = {}
+    if fmt == "gated_template":
+        t = _gated_template()
+        clean = [r for r in t.filler_rules if _clean_line(r, fam)]
+        extra = {"template": t, "filler_rules": rng.sample(clean, min(20, len(clean))),
+                 "customer": rng.choice(t.customers), "channel": rng.choice(t.channels), "agent": rng.randint(2, 9)}
+    draw = _Draw(fam, rule_text, ref, request, question, shots, extra)
+    is_correction = rng.random() < correction
+    early_value = rng.choice([permit_value, block_value])
+    is_reasoning = rng.random() < reasoning
+    notes_rng = _rng("notes", seed, split, key)
+    stream = _note_stream(notes_rng, words, fam)
+
+    def assemble(n_notes: int) -> GeneratedInstance:
+        notes = [next(stream) for _ in range(n_notes - len(pool))] if n_notes > len(pool) else []
+        pool.extend(notes)
+        lines = list(pool[:n_notes])
+        field_text = _VALUE
+        if is_correction:
+            # The record states an earlier value; a later line corrects it (the pair varies the correction).
+            field_text = early_value
+            at = len(lines) // 2
+            lines.insert(at, f"Correction: {fam.field} has changed to {_VALUE}; the latest value applies.")
+        system, body = _body(fmt, draw, field_text, lines)
+        if system and not chat:
+            body, system = f"{system}\n\n{body}", ""
+        if body.count(_VALUE) != 1:
+            raise KVProbeError(f"format '{fmt}' placed the field {body.count(_VALUE)} times")
+        before, after = body.split(_VALUE)
+        meta = {"format": fmt, "split": split, "counterfactual": is_cf, "correction": is_correction,
+                "reasoning": is_reasoning, "n_notes": n_notes, "distance_target": distance,
+                "value_pair": list(fam.values), "action_pair": list(fam.actions)}
+        if is_correction:
+            meta["early_value"] = early_value
+        return GeneratedInstance(index=index, scenario=fam.name, family=fam.name, field=fam.field,
+                                 old_value=old_value, new_value=new_value, old_action=act[old_value],
+                                 new_action=act[new_value], before_field=before, after_field=after,
+                                 answer_prefix=REASONING_PREFIX if is_reasoning else ANSWER_PREFIX, meta=meta,
+                                 system=system)
+
+    pool: list[str] = []
+    if tokenizer is None or distance is None:
+        inst = assemble(DEFAULT_NOTES if n_notes is None else n_notes)
+        if tokenizer is None:
+            return inst
+        return _with_distance(inst, tokenizer, chat)
+    return _fit_distance(assemble, tokenizer, chat, distance, pool, fmt)
+
+
+def _measure(inst: GeneratedInstance, tokenizer: Any, chat: bool) -> int:
+    return field_to_decision_tokens(tokenize_generated(tokenizer, inst, chat))
+
+
+def _with_distance(inst: GeneratedInstance, tokenizer: Any, chat: bool, measured: int | None = None
+                   ) -> GeneratedInstance:
+    d = _measure(inst, tokenizer, chat) if measured is None else measured
+    return dataclasses.replace(inst, meta={**inst.meta, "distance_tokens": d})
+
+
+def distance_tolerance(target: int) -> int:
+    """How far the measured distance may sit from the target: about half a note line."""
+    return max(8, round(0.03 * target))
+
+
+def _fit_distance(assemble: Any, tokenizer: Any, chat: bool, target: int, pool: list[str], fmt: str
+                  ) -> GeneratedInstance:
+    """The number of note lines whose measured distance is closest to ``target``."""
+    base = assemble(0)
+    d0 = _measure(base, tokenizer, chat)
+    if d0 > target + distance_tolerance(target):
+        raise InfeasibleDistance(f"format '{fmt}' has {d0} tokens after the field without any note; "
+                                 f"a distance of {target} cannot be reached")
+    measured = {0: d0}
+    # Estimate from the note lines' own token counts, then correct on exact measurements.
+    k, est = 0, d0
+    while est < target:
+        k += 1
+        assemble(k)  # grows the pool
+        est += len(tokenizer(_note_line(fmt, pool[k - 1]) + "\n", add_special_tokens=False)["input_ids"])
+    for _ in range(8):
+        if k not in measured:
+            measured[k] = _measure(assemble(k), tokenizer, chat)
+        if measured[k] < target:
+            k += 1
+        elif k > 0 and k - 1 not in measured:
+            k -= 1
+        else:
+            break
+    best = min(measured, key=lambda n: (abs(measured[n] - target), n))
+    return _with_distance(assemble(best), tokenizer, chat, measured[best])
+
+
+def generate(n: int, seed: int, split: str, formats: Sequence[str] | None = None, *, tokenizer: Any = None,
+             chat: bool = False, distance: int | None = None, counterfactual: float = 0.5,
+             correction: float = 0.0, reasoning: float = 0.0, start: int = 0,
+             words: Words | None = None) -> list[GeneratedInstance]:
+    """``n`` instances (indices ``start``..) of families from ``split``, cycling over ``formats``
+    (default: the split's own formats, :data:`FORMAT_SPLITS`). Deterministic given the arguments."""
+    fmts = tuple(formats) if formats else FORMAT_SPLITS[split]
+    return [build_generated(i, seed, split, fmts[i % len(fmts)], tokenizer=tokenizer, chat=chat, distance=distance,
+                            counterfactual=counterfactual, correction=correction, reasoning=reasoning, words=words)
+            for i in range(start, start + n)]

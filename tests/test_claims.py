@@ -1,0 +1,160 @@
+"""The claims table: each kind of claim tested from records' rows, BH across claims, honest verdicts; and the
+summaries every record carries (clustered recovery CIs, exact rates, no zero-width intervals)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvprobe.claims import Claim, claims_rows, evaluate, markdown, near, verdict
+from kvprobe.runner.summary import ci_cell, gate_summary, recovery_summary
+
+RNG = np.random.default_rng(0)
+
+
+def _rows(n: int, scenarios: int | None = None, **columns) -> list[dict]:
+    scen = scenarios or n
+    return [{"index": i, "scenario": f"s{i % scen}", "included": True,
+             **{k: (v[i] if isinstance(v, (list, np.ndarray)) else v) for k, v in columns.items()}}
+            for i in range(n)]
+
+
+def _record(experiment: str, rows: list[dict], model: str = "m", template: str = "configs/tasks/gated.yaml",
+            created: str = "2026-01-01", schema: int | None = 1) -> dict:
+    return {"experiment": experiment, "rows": rows, "model": {"name": model},
+            "config": {"task": {"template": template}},
+            "created": created, "schema_version": schema, "summary": {}}
+
+
+def test_equivalence_reproduced_not_reproduced_and_underpowered():
+    claim = near("z", "x ~ 0", "0.0", "x", 0.0, 0.0)
+    tight = evaluate(claim, _record("e", _rows(40, x=RNG.normal(0.0, 0.02, 40))))
+    tight["q"] = tight["p"]
+    assert tight["p"] < 1e-6 and verdict(tight) == "reproduced"
+    off = evaluate(claim, _record("e", _rows(40, x=RNG.normal(0.6, 0.05, 40))))
+    off["q"] = off["p"]
+    assert verdict(off).startswith("not reproduced")
+    noisy = evaluate(claim, _record("e", _rows(6, x=RNG.normal(0.0, 0.3, 6))))
+    noisy["q"] = noisy["p"]
+    assert noisy["n_needed"] > 6 and verdict(noisy).startswith("not measurable (underpowered")
+
+
+def test_empty_inclusion_filter_and_identity_are_labelled_not_tested():
+    rows = _rows(5, x=0.0, full=1.0)
+    for r in rows:
+        r["included"] = False
+    empty = evaluate(near("z", "x ~ 0", "0", "x", 0.0, 0.0), _record("e", rows))
+    empty["q"] = None
+    assert verdict(empty) == "not measurable (inclusion filter empty)" and empty["p"] is None
+    ident = evaluate(Claim("f", "full = 1", "1.0", "identity", "full", paper_value=1.0),
+                     _record("e", _rows(5, full=1.0)))
+    ident["q"] = None
+    assert verdict(ident) == "identity (by construction)" and ident["p"] is None
+    assert ident["max_abs_deviation"] == 0.0
+
+
+def test_paired_greater_uses_mcnemar_for_booleans_and_t_for_values():
+    a = [True] * 10 + [False] * 2
+    b = [False] * 10 + [False] * 2
+    rows = _rows(12, methods=[{"e": {"correct": u}, "i": {"correct": v}} for u, v in zip(a, b)])
+    res = evaluate(Claim("g", "e > i", "1 vs 0", "greater", "methods.e.correct", "methods.i.correct",
+                         paper_value=1.0), _record("edit", rows))
+    assert res["test"].startswith("McNemar") and res["p"] == pytest.approx(2 * 0.5 ** 10)
+    assert res["n_needed"] == 6  # the paper's 1.00 vs 0.00: every pair discordant; 2 * 0.5**6 < 0.05
+    top, rand = RNG.normal(0.8, 0.1, 10), RNG.normal(0.0, 0.1, 10)
+    res = evaluate(Claim("t", "top > rand", "0.78 vs 0.01", "greater", "top8", "rand8", paper_value=0.75),
+                   _record("spec", _rows(10, top8=top, rand8=rand)))
+    assert res["test"].startswith("paired t") and res["p"] < 1e-6 and res["ours"]["mean"] == pytest.approx(
+        np.mean(top - rand))
+    res["q"] = res["p"]
+    assert verdict(res) == "reproduced"
+    wrong = evaluate(Claim("t", "rand > top", "", "greater", "rand8", "top8", paper_value=0.75),
+                     _record("spec", _rows(10, top8=top, rand8=rand)))
+    wrong["q"] = wrong["p"]
+    assert not verdict(wrong).startswith("reproduced")
+
+
+def test_rate_claims_are_exact_and_zero_of_twelve_is_not_reproduced():
+    claim = Claim("a", "erratum = reprefill", "1.00 vs 1.00", "agrees", "m.e.correct", "m.r.correct",
+                  paper_value=1.0, bound=0.9)
+    rows = _rows(12, m={"e": {"correct": False}, "r": {"correct": True}})
+    res = evaluate(claim, _record("edit", rows))
+    res["q"] = res["p"]
+    assert res["ours"]["mean"] == 0.0 and res["ours"]["ci_high"] == pytest.approx(0.2646, abs=1e-3)
+    assert verdict(res) == "not reproduced (CI below the bound)" and res["n_needed"] == 29
+    agree = evaluate(Claim("s", "agree", "1.00", "at_least", "agree", paper_value=1.0, bound=0.97, gated=False),
+                     _record("t", _rows(12, agree=1.0)))  # stored as floats 0/1
+    agree["q"] = agree["p"]
+    assert agree["ours"]["k"] == 12 and verdict(agree).startswith("not measurable (underpowered: n 12 < 99")
+
+
+def test_claims_rows_apply_bh_across_claims_and_read_the_newest_record(monkeypatch):
+    from kvprobe.runner import experiment as experiment_module
+
+    claims = (near("z", "x ~ 0", "0", "x", 0.0, 0.0), near("y", "y ~ 0", "0", "y", 0.0, 0.0),
+              Claim("t", "twohop only", "0", "identity", "x", paper_value=0.0, template="twohop"))
+
+    class Fake:
+        pass
+
+    fake = Fake()
+    fake.claims = claims
+    monkeypatch.setattr(experiment_module, "available_experiments", lambda: {"fake": "fake"})
+    monkeypatch.setattr(experiment_module, "get_experiment", lambda name: fake)
+    old = _record("fake", _rows(30, x=RNG.normal(0.5, 0.02, 30), y=0.0), created="2026-01-01")
+    new = _record("fake", _rows(30, x=RNG.normal(0.0, 0.02, 30), y=RNG.normal(0.08, 0.05, 30)),
+                  created="2026-02-01", schema=2)
+    rows = claims_rows([new, old])
+    assert [r["key"] for r in rows] == ["z", "y"]  # the twohop claim does not apply to a gated record
+    from statsmodels.stats.multitest import multipletests
+
+    q = multipletests([r["p"] for r in rows], method="fdr_bh")[1]
+    assert [r["q"] for r in rows] == pytest.approx(q)
+    assert rows[0]["verdict"] == "reproduced" and rows[0]["schema_version"] == 2
+    table = markdown(rows)
+    assert table.count("\n") == 3 and "BH q" in table
+
+
+def test_every_declared_claim_names_a_kind_and_identities_are_labelled():
+    from kvprobe.runner.experiment import get_experiment
+
+    locality = get_experiment("locality").claims
+    kinds = {c.key: c.kind for c in locality if c.template == "gated"}
+    assert kinds == {"field_only_zero": "equivalent", "full_downstream_one": "identity", "oracle_one": "identity"}
+    for name in ("suffix", "specificity", "knockout", "dissociation", "edit_frontier", "transplant"):
+        for c in get_experiment(name).claims:
+            assert c.kind in ("equivalent", "greater", "at_least", "agrees", "identity") and c.paper
+            assert c.kind != "equivalent" or c.bounds[0] < c.bounds[1]
+
+
+def test_summaries_cluster_by_scenario_and_give_exact_rates():
+    class Gate:
+        min_flip, require_oracle_correct = 1.0, True
+
+    vals = np.repeat(RNG.normal(0, 1, 4), 6)
+    rows = _rows(24, scenarios=4, rec=vals, flag=[bool(i % 3) for i in range(24)], flip=2.0,
+                 oracle_correct=True, stale_correct=False)
+    for i, r in enumerate(rows):
+        r["scenario"] = f"s{i // 6}"
+    s = recovery_summary(rows, ["rec", "flag"])
+    assert s["rec"]["gated"]["n_clusters"] == 4 and "cluster" in s["rec"]["gated"]["ci_method"]
+    assert s["flag"]["all"]["ci_method"].startswith("clopper") and s["flag"]["all"]["k"] == 16
+    g = gate_summary(rows, Gate())
+    # 24 of 24: the exact lower bound solves p ** 24 = 0.025
+    assert g["oracle_accuracy"] == 1.0 and g["oracle_accuracy_ci"]["ci_low"] == pytest.approx(0.025 ** (1 / 24))
+    one = recovery_summary(rows[:6], ["rec"])["rec"]["all"]  # one scenario: no interval, and it says so
+    assert one["ci_low"] is None and "no CI" in ci_cell(one)
+    assert ci_cell({"mean": 0.0, "ci_low": 0.0, "ci_high": 0.26, "n": 12}) == "0.00 [0.00, 0.26]"  # schema 1
+
+
+def test_claims_figure_renders(tmp_path, monkeypatch):
+    from kvprobe.figures.claims import fig_claims
+    from kvprobe.runner import experiment as experiment_module
+
+    class Fake:
+        claims = (near("z", "x ~ 0", "0", "x", 0.0, 0.0),)
+
+    monkeypatch.setattr(experiment_module, "available_experiments", lambda: {"fake": "fake"})
+    monkeypatch.setattr(experiment_module, "get_experiment", lambda name: Fake())
+    fig_claims([_record("fake", _rows(10, x=RNG.normal(0, 0.02, 10)))], tmp_path / "c.png")
+    assert (tmp_path / "c.png").stat().st_size > 5000

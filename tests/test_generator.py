@@ -1,0 +1,248 @@
+"""The procedural scenario generator (splits, determinism, distances, equal-length pairs) and the organism
+v3 recipe that trains on it (tiny model: a few steps, resume, fp16 adapter)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import pytest
+import torch
+
+from kvprobe.errors import KVProbeError
+from kvprobe.tasks.generator import (FORMAT_SPLITS, FORMATS, SPLITS, InfeasibleDistance, build_generated,
+                                     check_splits, distance_tolerance, family_space, field_to_decision_tokens,
+                                     generate, load_words, sample_family, split_list, tokenize_generated)
+
+REAL_TOKENIZERS = ("smollm2-135m", "qwen2.5-coder-0.5b")
+
+
+def _tokenizer(alias: str):
+    from transformers import AutoTokenizer
+
+    from kvprobe.models.loading import _dequantized_dir, weights_available
+    from kvprobe.models.registry import REGISTRY
+
+    if not weights_available(REGISTRY[alias]):
+        pytest.skip(f"{alias} weights are not installed")
+    return AutoTokenizer.from_pretrained(str(_dequantized_dir(REGISTRY[alias])))
+
+
+@pytest.fixture(scope="module", params=REAL_TOKENIZERS)
+def real_tokenizer(request):
+    return _tokenizer(request.param)
+
+
+def test_splits_are_disjoint_by_word_and_by_format():
+    words = load_words()
+    sizes = check_splits(words)
+    assert all(sizes[s]["value_pairs"] >= 8 and sizes[s]["rules"] >= 2 for s in SPLITS)
+    assert family_space("train") > 100_000 and family_space("test") > 1_000  # thousands of combinations
+    assert not set(FORMAT_SPLITS["train"]) & set(FORMAT_SPLITS["test"]) and len(FORMAT_SPLITS["test"]) >= 2
+    fams = {s: {sample_family(random.Random(i), s).name for i in range(300)} for s in SPLITS}
+    assert not fams["train"] & fams["test"] and not fams["train"] & fams["validation"]
+    train_words = {w for i in range(300) for w in sample_family(random.Random(i), "train").words()}
+    for i in range(100):
+        fam = sample_family(random.Random(i), "test")
+        assert fam.subject not in split_list(words.subjects, "train")
+        assert not set(fam.values) & train_words and not set(fam.actions) & train_words
+    # a word moved into a second split is a leak, and check_splits names it
+    leaky = dataclasses.replace(words, value_pairs=(words.value_pairs[0], *words.value_pairs[1:4],
+                                                    (words.value_pairs[0][0], "zzz"), *words.value_pairs[5:]))
+    with pytest.raises(KVProbeError, match="both the train and test splits"):
+        check_splits(leaky)
+
+
+def test_same_seed_same_instances_other_seed_others():
+    a = generate(12, seed=3, split="train")
+    b = generate(12, seed=3, split="train")
+    c = generate(12, seed=4, split="train")
+    key = lambda i: (i.system, i.before_field, i.after_field, i.old_value, i.new_value, i.old_action)  # noqa: E731
+    assert [key(x) for x in a] == [key(x) for x in b]
+    assert [key(x) for x in a] != [key(x) for x in c]
+    assert {x.meta["format"] for x in a} == set(FORMAT_SPLITS["train"])
+    assert len({x.family for x in a}) == 12  # a fresh family per instance
+
+
+def test_instances_decide_by_the_rule_including_counterfactual_and_corrections():
+    seen = set()
+    for i in range(60):
+        inst = build_generated(i, 0, "test", FORMATS[i % len(FORMATS)], counterfactual=0.5, correction=0.5)
+        pos, neg = inst.meta["value_pair"]
+        permit, block = inst.meta["action_pair"]
+        cf = inst.meta["counterfactual"]
+        expected = {pos: block if cf else permit, neg: permit if cf else block}
+        assert (inst.old_action, inst.new_action) == (expected[inst.old_value], expected[inst.new_value])
+        assert inst.old_value != inst.new_value and inst.old_action != inst.new_action
+        if inst.meta["correction"]:  # the varied value is the later correction; the record keeps the early one
+            assert f"{inst.field}: {inst.meta['early_value']}" in inst.before_field
+            assert inst.before_field.rstrip().endswith("has changed to")
+        seen.add((cf, inst.meta["correction"]))
+    assert seen == {(False, False), (False, True), (True, False), (True, True)}
+
+
+def test_template_scenarios_as_families_keep_their_own_rules(template):
+    from kvprobe.tasks.generator import template_family
+
+    for sc in template.scenarios:
+        fam = template_family(sc)
+        assert fam.field == sc.field and fam.values == (sc.allow_value, sc.block_value)
+        inst = build_generated(0, 0, "test", "system_user", family=fam, counterfactual=0.0)
+        assert sc.rule in inst.before_field
+        assert {inst.old_action, inst.new_action} == {sc.allow_action, sc.block_action}
+    with pytest.raises(KVProbeError, match="counterfactual=0"):
+        build_generated(1, 0, "test", "user_turn", family=template_family(template.scenarios[0]), counterfactual=1.0)
+
+
+@pytest.mark.slow
+def test_distance_is_measured_and_within_tolerance(real_tokenizer):
+    for fmt in FORMATS:
+        for target in (50, 300, 1200):
+            try:
+                inst = build_generated(7, 0, "test", fmt, tokenizer=real_tokenizer, chat=True, distance=target)
+            except InfeasibleDistance:
+                assert (fmt, target) in {("document_qa", 50), ("gated_template", 50), ("gated_template", 300)}
+                continue
+            pair = tokenize_generated(real_tokenizer, inst, chat=True)
+            assert inst.meta["distance_tokens"] == field_to_decision_tokens(pair)
+            assert abs(inst.meta["distance_tokens"] - target) <= distance_tolerance(target), (fmt, target)
+    with pytest.raises(InfeasibleDistance):
+        build_generated(0, 0, "test", "gated_template", tokenizer=real_tokenizer, chat=True, distance=100)
+
+
+@pytest.mark.slow
+def test_every_value_and_action_pair_tokenizes_to_equal_length_pairs(real_tokenizer):
+    """Both values of every pair take the same tokens in every format (the pair machinery's check), and
+    every action pair's first tokens differ."""
+    words = load_words()
+    base = sample_family(random.Random(0), "train")
+    for split in SPLITS:
+        for k, vp in enumerate(split_list(words.value_pairs, split)):
+            for fmt in FORMATS:
+                fam = dataclasses.replace(base, values=tuple(vp), actions=("proceed", "halt"))
+                inst = build_generated(k, 1, split, fmt, family=fam, correction=float(k % 2))
+                pair = tokenize_generated(real_tokenizer, inst, chat=True)
+                assert len(pair.ids_old) == len(pair.ids_new) and pair.field_slots
+        for ap in split_list(words.action_pairs, split):
+            fam = dataclasses.replace(base, values=("low", "high"), actions=tuple(ap))
+            tokenize_generated(real_tokenizer, build_generated(0, 1, split, "user_turn", family=fam), chat=True)
+
+
+@pytest.mark.slow
+def test_system_user_puts_the_policy_in_the_system_message(real_tokenizer):
+    inst = build_generated(2, 0, "test", "system_user", tokenizer=real_tokenizer, chat=True)
+    pair = tokenize_generated(real_tokenizer, inst, chat=True)
+    text = real_tokenizer.decode(pair.ids_old)
+    policy_at, field_at = text.index("Policy:"), text.index(f"{inst.field}: {inst.old_value}")
+    assert "system" in text[:policy_at] and "user" in text[policy_at:field_at]
+    assert text.rstrip().endswith("Decision:")
+    # without a chat template the system text leads the body instead
+    plain = build_generated(2, 0, "test", "system_user")
+    assert plain.system == "" and plain.before_field.startswith("You are an operations assistant")
+    with pytest.raises(KVProbeError, match="system message"):
+        tokenize_generated(real_tokenizer, dataclasses.replace(plain, system="x"), chat=False)
+
+
+# -- organism v3 on a tiny model ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_generator_dir(tmp_path_factory):
+    """A tiny Llama whose word-level tokenizer covers the generator's word lists and formats."""
+    from kvprobe.models.tiny import write_tiny_model_dir
+    from kvprobe.organism.train import NEUTRAL_OPENINGS, NEUTRAL_TEXT
+
+    words = load_words()
+    texts = [json.dumps(dataclasses.asdict(words)), NEUTRAL_TEXT.read_text(), *NEUTRAL_OPENINGS]
+    for split in SPLITS:
+        for fmt in FORMATS:
+            for inst in generate(4, 0, split, [fmt], correction=0.5, reasoning=0.5):
+                texts += [inst.body(inst.old_value), inst.chain(inst.old_value), inst.answer_prefix,
+                          inst.old_action, inst.new_action, "Decision: Reasoning:"]
+    return write_tiny_model_dir("llama-default", tmp_path_factory.mktemp("tinygen"), texts)
+
+
+def _v3(tiny_dir, **kw):
+    from kvprobe.organism.train import V3, Recipe
+
+    base = {**V3, "base_model": str(tiny_dir), "alias": "tiny-v3", "steps": 3, "pairs_per_step": 1, "lr": 5e-3,
+            "eval_instances": 2, "val_instances": 2, "kl_tokens": 6, "checkpoint_every": 1, "val_every": 2,
+            "distance_range": (20, 80)}
+    return Recipe(**{**base, **kw})
+
+
+def test_v3_trains_on_generated_data_and_reports_per_format(tiny_generator_dir, tmp_path, monkeypatch):
+    from peft import PeftModel
+
+    from kvprobe.models.loading import load_model
+    from kvprobe.models.registry import ModelEntry
+    from kvprobe.organism.train import train_organism
+
+    monkeypatch.setenv("KVPROBE_CACHE", str(tmp_path / "cache"))
+    card = train_organism(_v3(tiny_generator_dir, reasoning=0.5), tmp_path / "org", progress=False).card
+    assert set(card["train_families"]).isdisjoint(card["eval_families"])
+    after = card["heldout_eval"]["after"]
+    assert set(after["test_unseen_formats"]["by_format"]) <= set(FORMAT_SPLITS["test"])
+    assert {"validation_unseen_format", "test_train_formats", "test_corrections"} <= set(after)
+    assert card["data"]["train_reasoning_pairs"] >= 1 and len(card["validation_curve"]) == 1
+    assert card["neutral_perplexity"]["after"] > 0 and len(card["kl_curve"]) == 3
+    weights = tmp_path / "org" / "adapter_model.safetensors"
+    from safetensors.torch import load_file
+
+    assert all(t.dtype == torch.float16 for t in load_file(str(weights)).values())
+    # the fp16 adapter loads onto the fp32 base and merges to the same logits as the adapter on
+    from kvprobe.models.loading import load_organism
+
+    merged = load_organism(ModelEntry("tiny-v3", "organism", "llama", str(tiny_generator_dir),
+                                      gguf_file=str(tmp_path / "org")))
+    on = PeftModel.from_pretrained(load_model(str(tiny_generator_dir)).model, str(tmp_path / "org")).eval()
+    ids = torch.arange(3, 30)[None]
+    with torch.no_grad():
+        assert (merged.model(ids).logits - on(ids).logits).abs().max() < 1e-4
+
+
+def test_v3_resume_reproduces_an_uninterrupted_run(tiny_generator_dir, tmp_path, monkeypatch):
+    import kvprobe.organism.train as train_mod
+
+    monkeypatch.setenv("KVPROBE_CACHE", str(tmp_path / "c1"))
+    full = train_mod.train_organism(_v3(tiny_generator_dir), tmp_path / "a", resume=False, progress=False).card
+    monkeypatch.setenv("KVPROBE_CACHE", str(tmp_path / "c2"))
+    real, calls = train_mod._example_loss, {"n": 0}
+
+    def interrupted(model, examples, recipe):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt  # dies during step 3, after step 2's checkpoint
+        return real(model, examples, recipe)
+
+    monkeypatch.setattr(train_mod, "_example_loss", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train_mod.train_organism(_v3(tiny_generator_dir), tmp_path / "b", resume=False, progress=False)
+    monkeypatch.setattr(train_mod, "_example_loss", real)
+    resumed = train_mod.train_organism(_v3(tiny_generator_dir), tmp_path / "b", resume=True, progress=False).card
+    assert resumed["loss_curve"] == full["loss_curve"] and resumed["kl_curve"] == full["kl_curve"]
+    assert resumed["heldout_eval"]["after"] == full["heldout_eval"]["after"]
+
+
+def test_capped_loss_stops_pushing_beyond_the_margin():
+    from kvprobe.organism.train import Recipe, Seq, _seq_loss
+
+    class Fixed(torch.nn.Module):
+        def __init__(self, margin: float):
+            super().__init__()
+            self.logits = torch.nn.Parameter(torch.zeros(1, 1, 5))
+            with torch.no_grad():
+                self.logits[0, 0, 1], self.logits[0, 0, 2] = 10.0 + margin, 10.0
+
+        def forward(self, input_ids, use_cache, logits_to_keep):
+            return type("Out", (), {"logits": self.logits.expand(input_ids.shape[0], -1, -1)})()
+
+    recipe = Recipe(loss="capped", margin=3.0, ce_floor=0.5)
+    seq = Seq([0, 1], [], correct_id=1, other_id=2)
+    beyond, within = Fixed(4.0), Fixed(1.0)
+    _seq_loss(beyond, [seq], recipe).backward()
+    _seq_loss(within, [seq], recipe).backward()
+    assert beyond.logits.grad.abs().max() == 0  # margin 4 > 3 and p(correct) > e^-0.5: nothing to push
+    assert within.logits.grad[0, 0, 1] < 0 < within.logits.grad[0, 0, 2]  # pushes correct up, other down
+    with pytest.raises(KVProbeError, match="not 'ce' or 'capped'"):
+        _seq_loss(within, [seq], Recipe(loss="hinge"))
