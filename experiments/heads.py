@@ -24,7 +24,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvprobe.patching.ranking import rank_downstream
-from kvprobe.probes import probe_case, sweep
+from kvprobe.probes import cell_throughput, probe_case, sweep
 from kvprobe.probes.heads import (kv_head_of, query_group, random_heads, read_heads, read_label, read_patch,
                                   top_heads, write_heads, write_label, write_patch)
 from kvprobe.runner.experiment import Context, Experiment
@@ -97,9 +97,7 @@ def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
     out["read_heads"] = sorted(
         ({"layer": layer, "q_head": h, "kv_head": kv_head_of(spec, h), **read[f"L{layer}.Q{h}"]}
          for layer, h in read_heads(spec)), key=lambda e: -(e[w]["mean"] or 0.0))
-    seconds = sum(r.get("seconds", 0.0) for r in rows)
-    out["cells"] = sum(r["n_cells"] for r in rows)
-    out["cells_per_second"] = out["cells"] / seconds if seconds else None
+    out.update(cell_throughput(rows))
     return out
 
 

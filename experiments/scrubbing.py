@@ -27,7 +27,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvprobe.patching.ranking import random_positions, rank_downstream
-from kvprobe.probes import probe_case, sweep
+from kvprobe.probes import cell_throughput, probe_case, sweep
 from kvprobe.probes.scrub import hypotheses, hypothesis_size, resampled_donors
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.runner.probe_common import case_row, curve_summary, curves_table
@@ -87,9 +87,7 @@ def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
         out[key] = curve_summary(rows, key, seed)
     out["identity_note"] = ("full: every slot kept from the target, recovers 1 by construction (deviation = float "
                             "error); baseline_*: the empty hypothesis, i.e. the resampled donors themselves")
-    seconds = sum(r.get("seconds", 0.0) for r in rows)
-    out["cells"] = sum(r["n_cells"] for r in rows)
-    out["cells_per_second"] = out["cells"] / seconds if seconds else None
+    out.update(cell_throughput(rows))
     return out
 
 

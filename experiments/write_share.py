@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvprobe.patching.hooks import capture
 from kvprobe.patching.ranking import rank_downstream
 from kvprobe.patching.sites import Site
-from kvprobe.probes import BlockOut, probe_case, sweep
+from kvprobe.probes import BlockOut, cell_throughput, probe_case, sweep
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.runner.probe_common import case_row, curve_summary, curves_table
 from kvprobe.runner.summary import gate_summary, which
@@ -92,9 +92,7 @@ def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
     layer = out["causal_layer"]["layer"]
     out["causal_layer"]["decomposition_attn_share"] = out["decomposition_attn_share"][str(layer)][w]
     out["decomposition_residual_max"] = max(r["decomposition_residual"] for r in rows)
-    seconds = sum(r.get("seconds", 0.0) for r in rows)
-    out["cells"] = sum(r["n_cells"] for r in rows)
-    out["cells_per_second"] = out["cells"] / seconds if seconds else None
+    out.update(cell_throughput(rows))
     return out
 
 

@@ -6,8 +6,8 @@
 - :mod:`kvprobe.probes.scrub`: causal-scrubbing hypotheses over KV slots and their resampling donors.
 """
 
-from kvprobe.probes.case import Case, case_row, ld_from_recovery, probe_case, same_decision
+from kvprobe.probes.case import Case, case_row, cell_throughput, ld_from_recovery, probe_case, same_decision
 from kvprobe.probes.sweep import KV, METRICS, BlockOut, HeadOut, Joint, materialize, sweep, sweep_logits
 
-__all__ = ["Case", "case_row", "ld_from_recovery", "probe_case", "same_decision", "KV", "Joint", "HeadOut",
+__all__ = ["Case", "case_row", "cell_throughput", "ld_from_recovery", "probe_case", "same_decision", "KV", "Joint", "HeadOut",
            "BlockOut", "METRICS", "materialize", "sweep", "sweep_logits"]

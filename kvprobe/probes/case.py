@@ -72,3 +72,11 @@ def same_decision(anchor: Anchors, lds: Sequence[float], target: str) -> list[bo
     if (anchor.stale_ld > 0) == (anchor.oracle_ld > 0):
         return [None] * len(lds)
     return [(ld > 0) == (ref > 0) for ld in lds]
+
+
+def cell_throughput(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """``{cells, cells_per_second}`` of a probe whose rows count their patched cells (``n_cells``) and time
+    themselves (``seconds``, written by the runner)."""
+    seconds = sum(r.get("seconds", 0.0) for r in rows)
+    cells = sum(r["n_cells"] for r in rows)
+    return {"cells": cells, "cells_per_second": cells / seconds if seconds else None}
