@@ -43,7 +43,7 @@ from kvprobe.features.directions import (Example, NoteSite, case_with_resid, dif
                                          held_out_lds, random_direction, read_gain, reader_matrix, subspace_cosine, train_das,
                                          note_row, variance_ratio)
 from kvprobe.runner.experiment import Context, Experiment
-from kvprobe.runner.summary import ci_cell, gate_summary, summarize_column
+from kvprobe.probes.summary import ci_cell, gate_summary, summarize_column
 
 HELD_OUT_DEFAULT = ["accounts", "inventory", "payments", "promotions"]  # the organisms' held-out families
 

@@ -21,8 +21,8 @@ from kvprobe.patching.pairs import PairPrefill
 from kvprobe.patching.ranking import decode_token
 from kvprobe.claims import Claim, near
 from kvprobe.runner.experiment import Context, Experiment
-from kvprobe.runner.probe_common import case_row, polarity_instances, probe_case
-from kvprobe.runner.summary import format_recovery_table, gate_summary, headline_stats, recovery_summary
+from kvprobe.probes.common import case_row, polarity_instances, probe_case
+from kvprobe.probes.summary import format_recovery_table, gate_summary, headline_stats, recovery_summary
 
 STATES = ("stale", "trigger_only", "notes", "trigger_and_notes", "oracle")
 

@@ -31,7 +31,7 @@ from kvprobe.kv import edit
 from kvprobe.kv.readout import prefill
 from kvprobe.patching.pairs import measure
 from kvprobe.patching.ranking import rank_downstream
-from kvprobe.runner.edit_summary import (base_row, edit_case, edit_gate_summary, format_methods_table,
+from kvprobe.probes.edit_summary import (base_row, edit_case, edit_gate_summary, format_methods_table,
                                          method_entry, methods_headline, methods_summary, read_ld)
 from kvprobe.claims import Claim
 from kvprobe.runner.experiment import Context, Experiment

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvprobe.kv import edit
 from kvprobe.kv.readout import prefill
-from kvprobe.runner.edit_summary import (base_row, edit_case, edit_gate_summary, format_methods_table,
+from kvprobe.probes.edit_summary import (base_row, edit_case, edit_gate_summary, format_methods_table,
                                          method_entry, methods_headline, methods_summary, read_ld)
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.tasks.edits import WORDINGS, erratum_body, erratum_line, prompt_ids

@@ -28,8 +28,8 @@ from kvprobe.probes import cell_throughput, probe_case, sweep
 from kvprobe.probes.heads import (kv_head_of, query_group, random_heads, read_heads, read_label, read_patch,
                                   top_heads, write_heads, write_label, write_patch)
 from kvprobe.runner.experiment import Context, Experiment
-from kvprobe.runner.probe_common import case_row, curve_summary, curves_table
-from kvprobe.runner.summary import gate_summary, headline_stats, which
+from kvprobe.probes.common import case_row, curve_summary, curves_table
+from kvprobe.probes.summary import gate_summary, headline_stats, which
 
 CURVES = ("write_top", "write_random", "read_top", "read_random", "identity")
 

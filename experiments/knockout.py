@@ -26,8 +26,8 @@ from kvprobe.patching.ranking import count_grid, describe_positions, position_ba
 from kvprobe.probes import KV, case_row, ld_from_recovery, probe_case, same_decision, sweep
 from kvprobe.claims import Claim
 from kvprobe.runner.experiment import Context, Experiment
-from kvprobe.runner.probe_common import curve_summary, curves_table
-from kvprobe.runner.summary import gate_summary, headline_stats
+from kvprobe.probes.common import curve_summary, curves_table
+from kvprobe.probes.summary import gate_summary, headline_stats
 
 CURVES = ("knockout_top", "knockout_random", "knockout_band", "reverts_top")
 

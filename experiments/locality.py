@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvprobe.probes import case_row, probe_case
 from kvprobe.claims import Claim, near
 from kvprobe.runner.experiment import Context, Experiment
-from kvprobe.runner.summary import format_recovery_table, gate_summary, headline_stats, recovery_summary
+from kvprobe.probes.summary import format_recovery_table, gate_summary, headline_stats, recovery_summary
 
 STATES = ("stale", "field_only", "full_downstream", "oracle")
 

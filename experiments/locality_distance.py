@@ -28,8 +28,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from kvprobe.cache_dir import project_path
 from kvprobe.patching.pairs import measure, prefill_pair
 from kvprobe.runner.experiment import Context, Experiment
-from kvprobe.runner.probe_common import Case, case_row
-from kvprobe.runner.summary import ci_cell, gate_summary, recovery_summary
+from kvprobe.probes.common import Case, case_row
+from kvprobe.probes.summary import ci_cell, gate_summary, recovery_summary
 from kvprobe.stats.bootstrap import quantiles
 from kvprobe.tasks.generator import FORMATS, GATED_TEMPLATE, SPLITS, InfeasibleDistance, build_generated, \
     load_words, template_family, tokenize_generated

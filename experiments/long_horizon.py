@@ -28,8 +28,8 @@ from kvprobe.errors import KVProbeError
 from kvprobe.kv.edit import recompute_slots
 from kvprobe.kv.readout import prefill, read_logits
 from kvprobe.metrics import logit_cosine, logit_diff
-from kvprobe.runner.edit_summary import base_row, edit_case, edit_gate_summary
-from kvprobe.runner.summary import ci_cell, summarize_column
+from kvprobe.probes.edit_summary import base_row, edit_case, edit_gate_summary
+from kvprobe.probes.summary import ci_cell, summarize_column
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.tasks.edits import decision_char, erratum_body, erratum_line, prompt_ids, prompt_text, split_prompt_at
 

@@ -22,9 +22,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvprobe.runner.experiment import Context, Experiment
-from kvprobe.runner.probe_common import (case_row, fit_rows, layer_probe, named_slots, pair_features,
+from kvprobe.probes.common import (case_row, fit_rows, layer_probe, named_slots, pair_features,
                                          polarity_instances, probe_case, probe_features, slot_tokens)
-from kvprobe.runner.summary import gate_summary
+from kvprobe.probes.summary import gate_summary
 from kvprobe.tasks.polarity import prompt_labels
 
 Position = Literal["last_context", "top_effect", "decision"]

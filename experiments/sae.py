@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvprobe.features import sae as saelib
 from kvprobe.features.directions import NoteSite, case_with_resid, decision_ld, find_notes, note_row, patched_logits
 from kvprobe.runner.experiment import Context, Experiment, default_instances
-from kvprobe.runner.summary import ci_cell, gate_summary, summarize_column
+from kvprobe.probes.summary import ci_cell, gate_summary, summarize_column
 
 HELD_OUT_DEFAULT = ["accounts", "inventory", "payments", "promotions"]
 

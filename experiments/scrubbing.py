@@ -30,8 +30,8 @@ from kvprobe.patching.ranking import random_positions, rank_downstream
 from kvprobe.probes import cell_throughput, probe_case, sweep
 from kvprobe.probes.scrub import hypotheses, hypothesis_size, resampled_donors
 from kvprobe.runner.experiment import Context, Experiment
-from kvprobe.runner.probe_common import case_row, curve_summary, curves_table
-from kvprobe.runner.summary import gate_summary, headline_stats
+from kvprobe.probes.common import case_row, curve_summary, curves_table
+from kvprobe.probes.summary import gate_summary, headline_stats
 
 IDENTITIES = ("full", "empty")
 

@@ -21,8 +21,8 @@ from kvprobe.patching.ranking import describe_positions, random_positions, rank_
 from kvprobe.patching.sweep import KVPatch
 from kvprobe.claims import Claim
 from kvprobe.runner.experiment import Context, Experiment
-from kvprobe.runner.probe_common import case_row, probe_case
-from kvprobe.runner.summary import format_recovery_table, gate_summary, headline_stats, recovery_summary
+from kvprobe.probes.common import case_row, probe_case
+from kvprobe.probes.summary import format_recovery_table, gate_summary, headline_stats, recovery_summary
 
 
 class Params(BaseModel):

@@ -29,8 +29,8 @@ from kvprobe.patching.ranking import count_grid, describe_positions, layer_bands
 from kvprobe.probes import KV, case_row, probe_case, sweep
 from kvprobe.claims import near
 from kvprobe.runner.experiment import Context, Experiment
-from kvprobe.runner.probe_common import binned_profile, curve_summary, curves_table
-from kvprobe.runner.summary import gate_summary, headline_stats, recovery_summary, summarize_column, which
+from kvprobe.probes.common import binned_profile, curve_summary, curves_table
+from kvprobe.probes.summary import gate_summary, headline_stats, recovery_summary, summarize_column, which
 
 
 class Params(BaseModel):

@@ -25,9 +25,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvprobe.metrics import logit_diff
 from kvprobe.patching.residuals import commit_layer, logit_lens, relative_depth
 from kvprobe.runner.experiment import Context, Experiment
-from kvprobe.runner.probe_common import (case_row, fit_rows, layer_probe, named_slots, pair_features,
+from kvprobe.probes.common import (case_row, fit_rows, layer_probe, named_slots, pair_features,
                                          polarity_instances, probe_case, probe_features, slot_tokens)
-from kvprobe.runner.summary import ci_cell, gate_summary, recovery_summary, which
+from kvprobe.probes.summary import ci_cell, gate_summary, recovery_summary, which
 from kvprobe.stats.probe import first_layer_at
 from kvprobe.tasks.polarity import prompt_labels
 

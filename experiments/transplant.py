@@ -32,7 +32,7 @@ from kvprobe.kv.readout import prefill, read_logits
 from kvprobe.metrics import decision_agreement, logit_cosine
 from kvprobe.claims import ACCURACY_MARGIN, Claim
 from kvprobe.runner.experiment import Context, Experiment
-from kvprobe.runner.summary import ci_cell, summarize_column
+from kvprobe.probes.summary import ci_cell, summarize_column
 from kvprobe.tasks.gated import segment_prompt
 
 

@@ -23,9 +23,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvprobe.patching.ranking import count_grid, describe_positions, rank_downstream, sweep_recovery
 from kvprobe.patching.sweep import KVPatch
 from kvprobe.runner.experiment import Context, Experiment
-from kvprobe.runner.probe_common import (case_row, curve_summary, curves_table, ld_from_recovery, probe_case,
+from kvprobe.probes.common import (case_row, curve_summary, curves_table, ld_from_recovery, probe_case,
                                          same_decision)
-from kvprobe.runner.summary import gate_summary, headline_stats
+from kvprobe.probes.summary import gate_summary, headline_stats
 
 
 class Params(BaseModel):

@@ -31,8 +31,8 @@ from kvprobe.patching.ranking import rank_downstream
 from kvprobe.patching.sites import Site
 from kvprobe.probes import BlockOut, cell_throughput, probe_case, sweep
 from kvprobe.runner.experiment import Context, Experiment
-from kvprobe.runner.probe_common import case_row, curve_summary, curves_table
-from kvprobe.runner.summary import gate_summary, which
+from kvprobe.probes.common import case_row, curve_summary, curves_table
+from kvprobe.probes.summary import gate_summary, which
 
 BLOCKS = ("attn_out", "mlp_out")
 

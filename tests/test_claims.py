@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvprobe.claims import Claim, claims_rows, evaluate, markdown, near, verdict
-from kvprobe.runner.summary import ci_cell, gate_summary, recovery_summary
+from kvprobe.probes.summary import ci_cell, gate_summary, recovery_summary
 
 RNG = np.random.default_rng(0)
 

@@ -23,7 +23,7 @@ from kvprobe.patching.sweep import KVPatch
 from kvprobe.runner.cli import main
 from kvprobe.runner.config import load_config, validate_params
 from kvprobe.runner.experiment import Context, get_experiment
-from kvprobe.runner.probe_common import binned_profile, curve_summary
+from kvprobe.probes.common import binned_profile, curve_summary
 from kvprobe.runner.records import load_records
 from kvprobe.runner.report import report_rows
 from kvprobe.stats.probe import first_layer_at, group_cv_accuracy

@@ -13,7 +13,7 @@ import numpy as np
 
 from kvprobe.figures.common import latest_per_model, save
 from kvprobe.figures.mechanism import dose_axes, grouped_bars, plot_curve, tag
-from kvprobe.runner.summary import which
+from kvprobe.probes.summary import which
 
 
 def _stat(stat: dict[str, Any] | None) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from typing import Any
 import matplotlib.pyplot as plt
 
 from kvprobe.figures.common import bar_with_ci, latest_per_model, save
-from kvprobe.runner.summary import which
+from kvprobe.probes.summary import which
 
 
 def tag(name: str, summary: dict[str, Any]) -> str:

@@ -9,7 +9,7 @@ import matplotlib.pyplot as plt
 
 from kvprobe.figures.common import latest_per_model, save
 from kvprobe.figures.mechanism import grouped_bars
-from kvprobe.runner.summary import which
+from kvprobe.probes.summary import which
 
 
 def table4_specificity(records: list[dict[str, Any]], path: Path) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 from kvprobe.figures.common import latest_per_model, save
 from kvprobe.figures.mechanism import dose_axes, plot_curve, tag
-from kvprobe.runner.summary import which
+from kvprobe.probes.summary import which
 
 
 def fig3bc_suffix(records: list[dict[str, Any]], path: Path) -> None:

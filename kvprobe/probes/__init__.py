@@ -3,7 +3,10 @@
 - :mod:`kvprobe.probes.case`: one :class:`Case` (pair, prefills, anchors, its row under the inclusion rule);
 - :mod:`kvprobe.probes.sweep`: the labelled sweep ``{label: patch} -> {label: value}``, metric as a parameter;
 - :mod:`kvprobe.probes.heads`: read/write head cells and their GQA bookkeeping;
-- :mod:`kvprobe.probes.scrub`: causal-scrubbing hypotheses over KV slots and their resampling donors.
+- :mod:`kvprobe.probes.scrub`: causal-scrubbing hypotheses over KV slots and their resampling donors;
+- :mod:`kvprobe.probes.summary` / :mod:`~kvprobe.probes.edit_summary` / :mod:`~kvprobe.probes.common`: the
+  summaries every record shares (inclusion rule, recoveries and rates with CIs from :mod:`kvprobe.stats`), and
+  the helpers of the mechanism probes (residual features, curves). The runner holds no probe logic.
 """
 
 from kvprobe.probes.case import Case, case_row, cell_throughput, ld_from_recovery, probe_case, same_decision

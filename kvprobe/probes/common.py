@@ -1,7 +1,7 @@
 """What the mechanism probes share (paper Section 3 probes (2)-(4), Appendix C controls).
 
-- re-exports of :mod:`kvprobe.probes.case` (``Case``, ``probe_case``, ``case_row``, ``same_decision``,
-  ``ld_from_recovery``): one instance's two prefills, anchors and shared row;
+- the names of :mod:`kvprobe.probes.case` (``Case``, ``probe_case``, ``case_row``, ``same_decision``,
+  ``ld_from_recovery``), so an experiment imports its probe helpers from one place;
 - :func:`polarity_instances`: the ``make_instances`` of the probes that need the polarity 2x2 task;
 - :func:`pair_features` / :func:`probe_features` / :func:`layer_probe`: residual features of both prompts of
   a pair, kept per run in ``ctx.scratch`` (too large for rows; recomputed for rows a resumed run already
@@ -21,7 +21,7 @@ from kvprobe.patching.pairs import PairPrefill
 from kvprobe.patching.ranking import decode_token, rank_downstream
 from kvprobe.patching.residuals import resid_stack
 from kvprobe.probes.case import Case, case_row, ld_from_recovery, probe_case, same_decision  # noqa: F401
-from kvprobe.runner.summary import recovery_summary, which
+from kvprobe.probes.summary import recovery_summary, which
 from kvprobe.stats.probe import group_cv_accuracy
 from kvprobe.tasks.gated import load_template
 

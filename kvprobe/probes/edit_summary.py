@@ -16,7 +16,7 @@ from kvprobe.kv.edit import FieldEdit
 from kvprobe.kv.readout import read_logits
 from kvprobe.metrics import logit_diff
 from kvprobe.patching.pairs import Anchors, PairPrefill, measure, prefill_pair
-from kvprobe.runner.summary import ci_cell, gate_summary, scenarios, which
+from kvprobe.probes.summary import ci_cell, gate_summary, scenarios, which
 from kvprobe.stats.bootstrap import summarize
 from kvprobe.stats.inference import summarize_proportion
 from kvprobe.tasks.gated import TokenizedPair, tokenize_pair
