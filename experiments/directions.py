@@ -291,4 +291,7 @@ EXPERIMENT = Experiment(name="directions", doc=__doc__, params=Params, run_insta
                                         "~39% of the full single-site patch (0.57), random 1-D 0.01; Gemma 0.10 vs "
                                         "random 0.00 of full 0.61; Mistral 0.07 of 0.36 (App. D (2), polarity task)",
                                "polarity": "dom direction on the aggregator residual recovers 0.22-0.23 at Llama "
-                                           "L12-14, ~39% of the full single-site patch, random 1-D 0.01 (App. D (2))"})
+                                           "L12-14, ~39% of the full single-site patch, random 1-D 0.01 (App. D (2))"},
+                        # No row claim: the direction is fit on training families and its effects are measured on
+                        # held-out pairs in the summary; a row holds only the pair's notes and labels.
+                        claims=())

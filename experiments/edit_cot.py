@@ -22,6 +22,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from kvprobe.claims import ACCURACY_MARGIN, Claim
 from kvprobe.kv import edit
 from kvprobe.kv.decode import greedy_chain
 from kvprobe.patching.pairs import Anchors
@@ -129,7 +130,22 @@ def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-EXPERIMENT = Experiment(name="edit_cot", doc=__doc__, params=Params, run_instance=run_instance,
+EXPERIMENT = Experiment(name="edit_cot", doc=__doc__, needs_template=True, params=Params, run_instance=run_instance,
                         summarize=summarize_rows, table=lambda s: format_methods_table(s, list(s["methods"])),
                         headline=lambda s: methods_headline(s),
-                        paper={"gated": "in_place: 1.00 with CoT, 0.00 without; the erratum fixes both (Fig. 2c)"})
+                        paper={"gated": "in_place: 1.00 with CoT, 0.00 without; the erratum fixes both (Fig. 2c)"},
+                        claims=(Claim("cot_in_place_vs_direct", "in_place is correct with a chain, not without (paired)",
+                                      "1.00 vs 0.00 (Qwen3-8B, Fig. 2c)", "greater", "methods.cot/in_place.correct",
+                                      "methods.direct/in_place.correct", paper_value=1.0),
+                                Claim("cot_in_place_vs_reprefill", "with a chain, in_place decides as full reprefill",
+                                      "1.00 (Fig. 2c; TOST margin 0.03, App. H)", "agrees",
+                                      "methods.cot/in_place.correct", "methods.cot/full_reprefill.correct",
+                                      paper_value=1.0, bound=1 - ACCURACY_MARGIN),
+                                Claim("direct_field_erratum_vs_reprefill", "without a chain, field+erratum decides as "
+                                      "full reprefill", "1.00 vs 1.00 (Fig. 2c; Tab. 6)", "agrees",
+                                      "methods.direct/field_erratum.correct", "methods.direct/full_reprefill.correct",
+                                      paper_value=1.0, bound=1 - ACCURACY_MARGIN),
+                                Claim("cot_field_erratum_vs_reprefill", "with a chain, field+erratum decides as full "
+                                      "reprefill", "1.00 (Fig. 2c: the erratum fixes both)", "agrees",
+                                      "methods.cot/field_erratum.correct", "methods.cot/full_reprefill.correct",
+                                      paper_value=1.0, bound=1 - ACCURACY_MARGIN)))

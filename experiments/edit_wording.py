@@ -21,6 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from kvprobe.claims import ACCURACY_MARGIN, Claim
 from kvprobe.kv import edit
 from kvprobe.kv.readout import prefill
 from kvprobe.probes.edit_summary import (base_row, edit_case, edit_gate_summary, format_methods_table,
@@ -82,8 +83,16 @@ def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-EXPERIMENT = Experiment(name="edit_wording", doc=__doc__, params=Params, run_instance=run_instance,
+EXPERIMENT = Experiment(name="edit_wording", doc=__doc__, needs_template=True, params=Params, run_instance=run_instance,
                         summarize=summarize_rows, table=lambda s: format_methods_table(s, list(s["methods"])),
                         headline=lambda s: methods_headline(s),
                         paper={"gated": "P(safe): bare value, tagged update, explicit override ~1.0; aggressive "
-                                        "0.81 (Fig. 3d)"})
+                                        "0.81 (Fig. 3d)"},
+                        claims=(*(Claim(f"{w}_correct", f"erratum ({w.replace('_', ' ')}) P(correct) ~ 1",
+                                        "~1.0 P(safe) (Fig. 3d; TOST margin 0.03, App. H)", "at_least",
+                                        f"methods.erratum/{w}.correct", paper_value=1.0, bound=1 - ACCURACY_MARGIN)
+                                  for w in ("bare_value", "tagged_update", "explicit_override")),
+                                Claim("override_vs_aggressive", "explicit override beats the aggressive \"re-evaluate\" "
+                                      "wording P(correct) (paired)", "~1.0 vs 0.81 (Fig. 3d)", "greater",
+                                      "methods.erratum/explicit_override.correct", "methods.erratum/aggressive.correct",
+                                      paper_value=0.19)))

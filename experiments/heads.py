@@ -23,6 +23,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvprobe.claims import Claim, near
 from kvprobe.patching.ranking import rank_downstream
 from kvprobe.probes import cell_throughput, probe_case, sweep
 from kvprobe.probes.heads import (kv_head_of, query_group, random_heads, read_heads, read_label, read_patch,
@@ -127,4 +128,17 @@ EXPERIMENT = Experiment(name="heads", doc=__doc__, params=Params, run_instance=r
                         paper={"gated": "App. D (1), polarity task: top-k read heads jointly recover 0.19/0.45/0.59/"
                                         "0.70/0.78 at k=1/3/5/8/12 (Llama-3.1-8B; top-12 0.77/0.72/0.82 on Qwen3-8B/"
                                         "Gemma-2-9B/Mistral-7B; random heads ~0); write heads at the single top "
-                                        "aggregator saturate at 0.28/0.08/0.24/0.11 (Tab. 5)"})
+                                        "aggregator saturate at 0.28/0.08/0.24/0.11 (Tab. 5)"},
+                        # No write-head claim: the paper's write number patches the single top aggregator, ours the
+                        # field + top_notes positions, so the two are not the same quantity.
+                        claims=(near("read_top12_in_range", "top-12 read heads jointly recover in the paper's range",
+                                     "0.78 (Llama-3.1-8B); 0.77/0.72/0.82 (Qwen3-8B/Gemma-2-9B/Mistral-7B; App. D "
+                                     "(1), Tab. 5; polarity task)", "read_top.12", 0.77, 0.78,
+                                     paper_range=(0.72, 0.82)),
+                                Claim("read_top12_vs_random12", "top-12 read heads beat 12 random heads (paired)",
+                                      "0.78 vs 0.00 (Llama-3.1-8B; Tab. 5)", "greater", "read_top.12",
+                                      "read_random.12", paper_value=0.78),
+                                near("read_random12_zero", "12 random read heads recover ~ 0",
+                                     "0.00 on all four families (Tab. 5)", "read_random.12", 0.0, 0.0),
+                                Claim("read_all_one", "every head's output patched recovers 1", "1 (construction)",
+                                      "identity", "identity.read_all", paper_value=1.0)))

@@ -132,7 +132,7 @@ def summarize(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def table(summary: dict[str, Any]) -> str:
-    lines = [f"gate: {summary['inclusion_rule']}",
+    lines = [f"inclusion rule: {summary['inclusion_rule']}",
              f"{'format':<16}{'dist':>6}{'tokens':>8}{'incl':>7}{'flip med':>10}   field-only recovery (included)"]
     for fmt, by_d in summary["cells"].items():
         for d, c in by_d.items():

@@ -92,4 +92,7 @@ def headline(s: dict[str, Any]) -> str:
 EXPERIMENT = Experiment(name="probes", doc=__doc__, params=Params, run_instance=run_instance,
                         summarize=summarize_rows, make_instances=polarity_instances, table=table, headline=headline,
                         paper={"polarity": "conclusion and field both linearly decodable from the downstream "
-                                           "aggregator (Sec. 3 (3), App. C (i))"})
+                                           "aggregator (Sec. 3 (3), App. C (i))"},
+                        # No row claim: held-out probe accuracy is one group-CV fit over all rows (a summary
+                        # quantity); a row holds only labels and probe slots.
+                        claims=())

@@ -26,6 +26,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvprobe.claims import Claim, near
 from kvprobe.patching.ranking import random_positions, rank_downstream
 from kvprobe.probes import cell_throughput, probe_case, sweep
 from kvprobe.probes.scrub import hypotheses, hypothesis_size, resampled_donors
@@ -109,4 +110,14 @@ EXPERIMENT = Experiment(name="scrubbing", doc=__doc__, params=Params, run_instan
                         summarize=summarize_rows, table=table, headline=headline,
                         paper={"gated": "App. D (4), polarity task: drift 0.04/0.04/0.02/0.03, note 0.79/0.68/0.82/"
                                         "0.71, rest 0.19/0.32/0.18/0.30 (Llama-3.1-8B/Qwen3-8B/Gemma-2-9B/"
-                                        "Mistral-7B, Tab. 5)"})
+                                        "Mistral-7B, Tab. 5)"},
+                        claims=(near("drift_zero", "same-conclusion resampling is faithful: drift ~ 0",
+                                     "0.02-0.04 (four families; App. D (4), Tab. 5; polarity task)",
+                                     "paper_metrics.drift", 0.0, 0.03, paper_range=(0.02, 0.04)),
+                                # paper_value: the mean note - rest difference over the four families
+                                Claim("note_vs_rest", "an opposite-conclusion note moves the decision more than an "
+                                      "opposite-conclusion rest (paired)", "note 0.79/0.68/0.82/0.71 vs "
+                                      "rest 0.19/0.32/0.18/0.30 (Llama-3.1-8B/Qwen3-8B/Gemma-2-9B/Mistral-7B; Tab. 5)",
+                                      "greater", "paper_metrics.note", "paper_metrics.rest", paper_value=0.50),
+                                Claim("full_one", "keeping every slot from the target recovers 1", "1 (construction)",
+                                      "identity", "identity.full", paper_value=1.0)))

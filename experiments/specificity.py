@@ -9,24 +9,24 @@ The paper: top-8 recovers 0.74-0.79, random-8 <= 0.035 (Qwen3/Llama; 0.48-0.53 o
 Knockout (probe (4)) and note injection (control (iv)) are their own experiments (knockout.py,
 writability.py). Where our setting differs: small models (the organism ``smollm2-135m-gated`` gates
 strongly, pretrained embedded models weakly); the ranking is in-sample, so top-k is an optimistic estimate.
+``ranking: atp`` ranks by AtP* and verifies its best cells exactly (kvprobe.probes.common.RankingParams).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from kvprobe.patching.ranking import describe_positions, random_positions, rank_downstream, sweep_recovery
+from kvprobe.patching.ranking import describe_positions, random_positions, sweep_recovery
 from kvprobe.patching.sweep import KVPatch
 from kvprobe.claims import Claim
 from kvprobe.runner.experiment import Context, Experiment
-from kvprobe.probes.common import case_row, probe_case
+from kvprobe.probes.common import RankingParams, case_row, probe_case, rank_positions
 from kvprobe.probes.summary import format_recovery_table, gate_summary, headline_stats, recovery_summary
 
 
-class Params(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class Params(RankingParams):
     ks: list[int] = Field(default_factory=lambda: [8, 16])
     random_draws: int = Field(5, ge=1, description="seeded random k-sets per instance and k, averaged")
     exclude_top: bool = Field(False, description="draw random positions only outside the top-k")
@@ -42,7 +42,7 @@ def run_instance(ctx: Context, inst: Any) -> dict[str, Any]:
     lm, p = ctx.lm, ctx.params
     case = probe_case(ctx, inst)
     pp, anchor = case.pp, case.anchor
-    ranking = rank_downstream(lm, pp, anchor, ctx.cfg.batch_size)
+    ranking = rank_positions(ctx, case)
     extra = pp.field_slots if p.include_field else []
     draws = {k: random_positions(pp.downstream_slots, k, p.random_draws, (ctx.cfg.seed, inst.index, k),
                                  exclude=ranking.top(k) if p.exclude_top else ()) for k in p.ks}

@@ -7,7 +7,8 @@ recovery is then read as more top-ranked positions are patched together (K = 0, 
 layer-resolved recovery patches every downstream position at one layer (and at contiguous layer bands).
 The position profile (every downstream slot's single-position effect) is kept per row for Figure 3c, and
 the top positions are decoded so aggregator and delimiter tokens are visible. All cells of an instance are
-read by one kv_sweep from the instance's two prefills.
+read by one kv_sweep from the instance's two prefills. ``ranking: atp`` ranks the slots by AtP* and re-measures
+its best ones exactly instead of sweeping every slot (kvprobe.probes.common.RankingParams).
 
 With ``include_field`` every cumulative and layer cell also patches the field's own slots (the paper's
 field+selective@K): K=0 is then exactly field-only and K=all exactly full-downstream. Without it (default,
@@ -23,18 +24,17 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from kvprobe.patching.ranking import count_grid, describe_positions, layer_bands, rank_downstream
+from kvprobe.patching.ranking import count_grid, describe_positions, layer_bands
 from kvprobe.probes import KV, case_row, probe_case, sweep
 from kvprobe.claims import near
 from kvprobe.runner.experiment import Context, Experiment
-from kvprobe.probes.common import binned_profile, curve_summary, curves_table
+from kvprobe.probes.common import RankingParams, binned_profile, curve_summary, curves_table, rank_positions
 from kvprobe.probes.summary import gate_summary, headline_stats, recovery_summary, summarize_column, which
 
 
-class Params(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class Params(RankingParams):
     top_k: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
     include_field: bool = Field(False, description="cumulative and layer cells also patch the field's slots")
     layer_bands: int = Field(6, ge=1, description="layers are grouped into this many contiguous bands")
@@ -47,7 +47,7 @@ def run_instance(ctx: Context, inst: Any) -> dict[str, Any]:
     lm, p = ctx.lm, ctx.params
     case = probe_case(ctx, inst, lambda pp: {"field_only": pp.field_only(), "full_downstream": pp.full_downstream()})
     pp, anchor = case.pp, case.anchor
-    ranking = rank_downstream(lm, pp, anchor, ctx.cfg.batch_size)
+    ranking = rank_positions(ctx, case)
     extra = pp.field_slots if p.include_field else []
     down = pp.downstream_slots
     grid = count_grid([0, *p.top_k], len(down))

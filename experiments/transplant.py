@@ -147,7 +147,7 @@ def headline(s: dict[str, Any]) -> str:
     return "; ".join(cells) + f"; full-recompute accuracy {s['full_accuracy']:.2f}"
 
 
-EXPERIMENT = Experiment(name="transplant", doc=__doc__, params=Params, run_instance=run_instance,
+EXPERIMENT = Experiment(name="transplant", doc=__doc__, needs_template=True, params=Params, run_instance=run_instance,
                         summarize=summarize_rows, setup=setup, table=table, headline=headline,
                         paper={"gated": "logit cosine 0.90-0.999 across twelve models; decision-identical on "
                                         "competent models (Fig. 6b)"},

@@ -20,6 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvprobe.claims import ACCURACY_MARGIN, Claim, near
 from kvprobe.patching.ranking import count_grid, describe_positions, rank_downstream, sweep_recovery
 from kvprobe.patching.sweep import KVPatch
 from kvprobe.runner.experiment import Context, Experiment
@@ -64,4 +65,13 @@ EXPERIMENT = Experiment(name="writability", doc=__doc__, params=Params, run_inst
                         summarize=summarize_rows, table=table,
                         headline=lambda s: headline_stats(s, "inject", {"8": "top-8", "all": "all notes"})
                         + "; follow rate: " + headline_stats(s, "follows", {"all": "all notes"}),
-                        paper={"gated": "injection 0.98-1.02, follow rate 1.0 (App. C (iv))"})
+                        paper={"gated": "injection 0.98-1.02, follow rate 1.0 (App. C (iv))"},
+                        claims=(near("inject_all_one", "injecting every note recovers toward the note ~ 1",
+                                     "0.99/0.98/1.02 (Qwen3-8B/4B, Llama-3.1-8B; App. C (iv)); 0.98-1.0 (Gemma-2, "
+                                     "Mistral; Sec. 3)", "inject.all", 1.0, 1.0, paper_range=(0.98, 1.02)),
+                                Claim("follow_rate_all", "the decision follows the injected note (all notes)",
+                                      "follow rate 1.0 (Sec. 3; TOST margin 0.03, App. H)", "at_least",
+                                      "follows.all", paper_value=1.0, bound=1 - ACCURACY_MARGIN),
+                                Claim("follow_rate_top8", "the top-8 notes already flip most instances",
+                                      "\"most instances\" (App. C (iv); no number)", "at_least", "follows.8",
+                                      bound=0.5)))

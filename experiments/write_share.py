@@ -118,4 +118,7 @@ EXPERIMENT = Experiment(name="write_share", doc=__doc__, params=Params, run_inst
                         summarize=summarize_rows, table=table, headline=headline,
                         paper={"gated": "App. D (5), polarity task: attention writes 0.60-0.62 of the note at the "
                                         "causal layer (Llama-3.1-8B L12/L14); 0.44-0.56 Qwen3-8B, 0.82-0.92 "
-                                        "Gemma-2-9B, 0.42-0.66 Mistral-7B (Tab. 5)"})
+                                        "Gemma-2-9B, 0.42-0.66 Mistral-7B (Tab. 5)"},
+                        # No row claim: a row holds per-layer lists, and the causal layer whose attention share the
+                        # paper reports is chosen from the summary (argmax over layers of the mean recoveries).
+                        claims=())

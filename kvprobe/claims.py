@@ -16,13 +16,13 @@ schema version take part. Kinds:
 
 Verdicts, on BH q-values across all tested claims (alpha 0.05): ``reproduced`` (q < alpha, in the paper's
 direction); ``not reproduced`` (significant the other way, our CI wholly outside the equivalence bounds, or
-no effect although n reaches the n needed for 80% power); ``not measurable`` (the inclusion filter left no
+no effect although n reaches the n needed for 80% power, and at least ``MIN_POWERED_N`` = 10); ``not measurable`` (the inclusion filter left no
 instance, no variance to test, or underpowered: n below the n needed). The n needed is for the paper's
 effect given our variance (``n_paired_t``; TOST approximated by the one-sided t at the nearer bound), for
 paired booleans the exact McNemar power (``n_mcnemar``: the paper's difference in rates plus our wrong-way
 discordance), for rates the exact binomial (``n_binom_bound``).
 
-Where our setting differs: the paper states margins only for accuracy (TOST delta 0.03) and cosine; for
+Where our setting differs: the paper states margins only for accuracy (TOST delta 0.03, App. H) and cosine; for
 recovery we use +-0.1 (a tenth of the oracle flip), stated in each row.
 """
 
@@ -41,7 +41,10 @@ from kvprobe.stats.inference import (ALPHA, bh_fdr, binom_at_least, mcnemar_exac
                                      summarize_proportion, tost_paired)
 
 RECOVERY_MARGIN = 0.1
-ACCURACY_MARGIN = 0.03  # the paper's TOST margin for accuracy/agreement (Appendix G)
+# A null result counts as "not reproduced" only from this many instances on: below it, the n needed for 80% power
+# is computed from a variance that a handful of instances cannot estimate (3 instances can report "3 needed").
+MIN_POWERED_N = 10
+ACCURACY_MARGIN = 0.03  # the paper's TOST margin for accuracy/agreement (Appendix H)
 Kind = Literal["equivalent", "greater", "at_least", "agrees", "identity"]
 
 
@@ -72,9 +75,19 @@ def near(key: str, text: str, paper: str, a: str, target: float, paper_value: fl
 
 
 def get(row: dict[str, Any], path: str) -> Any:
-    """``row['methods']['erratum']['correct']`` for ``"methods.erratum.correct"`` (None where absent)."""
+    """``row['methods']['erratum']['correct']`` for ``"methods.erratum.correct"`` (None where absent).
+
+    A ``*`` step averages the rest of the path over a list (``"turns.*.cosine"``: the instance's mean cosine over
+    its turns; booleans average to a rate), so the claim's unit stays the instance, not the turn."""
     cur: Any = row
-    for part in path.split("."):
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        if part == "*":
+            if not isinstance(cur, list):
+                return None
+            rest = ".".join(parts[i + 1:])
+            vals = [float(v) for v in (get(x, rest) if rest else x for x in cur) if v is not None]
+            return sum(vals) / len(vals) if vals else None
         if not isinstance(cur, dict) or part not in cur:
             return None
         cur = cur[part]
@@ -211,9 +224,10 @@ def verdict(row: dict[str, Any], alpha: float = ALPHA) -> str:
         return "not reproduced (CI below the bound)"
     if q is None:
         return "not measurable (" + (row["notes"][0] if row["notes"] else "no test") + ")"
-    if need is not None and n >= need:
+    if need is not None and n >= max(need, MIN_POWERED_N):
         return f"not reproduced (n {n} >= {need} needed)"
-    return f"not measurable (underpowered: n {n} < {need if need is not None else '?'} needed)"
+    floor = "?" if need is None else max(need, MIN_POWERED_N)
+    return f"not measurable (underpowered: n {n} < {floor} needed)"
 
 
 def _template_stem(record: dict[str, Any]) -> str:

@@ -116,15 +116,53 @@ def test_claims_rows_apply_bh_across_claims_and_read_the_newest_record(monkeypat
 
 
 def test_every_declared_claim_names_a_kind_and_identities_are_labelled():
-    from kvprobe.runner.experiment import get_experiment
+    from kvprobe.runner.experiment import available_experiments, get_experiment
 
     locality = get_experiment("locality").claims
     kinds = {c.key: c.kind for c in locality if c.template == "gated"}
     assert kinds == {"field_only_zero": "equivalent", "full_downstream_one": "identity", "oracle_one": "identity"}
-    for name in ("suffix", "specificity", "knockout", "dissociation", "edit_frontier", "transplant"):
-        for c in get_experiment(name).claims:
+    for name in available_experiments():
+        claims = get_experiment(name).claims
+        # one row per (claim, template, model) in the table: a key is declared once per template
+        assert len({(c.key, c.template) for c in claims}) == len(claims), name
+        for c in claims:
             assert c.kind in ("equivalent", "greater", "at_least", "agrees", "identity") and c.paper
             assert c.kind != "equivalent" or c.bounds[0] < c.bounds[1]
+            assert c.kind not in ("at_least", "agrees") or (c.bound is not None and 0 < c.bound < 1)
+            assert c.kind not in ("greater", "agrees") or c.b is not None, (name, c.key)
+            assert c.kind != "identity" or c.paper_value is not None
+
+
+# Experiments whose claims must be checkable on committed records (each has records for its claims' templates).
+WITH_RECORDS = ("locality", "suffix", "specificity", "knockout", "dissociation", "edit_frontier", "transplant",
+                "edit_cot", "edit_wording", "writability", "timing", "heads", "scrubbing", "long_horizon")
+
+
+@pytest.mark.parametrize("name", WITH_RECORDS)
+def test_declared_claim_paths_resolve_on_committed_records(name):
+    """A typo in a claim's dotted path would silently read None on every row ("no rows carry this measure"):
+    each path must resolve on some row of a committed record of the claim's template."""
+    from pathlib import Path
+
+    from kvprobe.claims import _template_stem, get
+    from kvprobe.runner.experiment import get_experiment
+    from kvprobe.runner.records import load_records
+
+    records = load_records(Path(__file__).parents[1] / "results", name)
+    by_template = {}
+    for rec in records:
+        by_template.setdefault(_template_stem(rec), []).extend(rec.get("rows", []))
+    claims = get_experiment(name).claims
+    assert claims, f"{name} declares no claims"
+    checked = 0
+    for c in claims:
+        rows = by_template.get(c.template)
+        if rows is None:  # no committed record of this template (e.g. locality's off-template variants)
+            continue
+        for path in (c.a, c.b) if isinstance(c.b, str) else (c.a,):
+            assert any(get(r, path) is not None for r in rows), f"{name}.{c.key}: '{path}' resolves on no row"
+        checked += 1
+    assert checked, f"no committed {name} record of any claim's template"
 
 
 def test_summaries_cluster_by_scenario_and_give_exact_rates():
@@ -158,3 +196,18 @@ def test_claims_figure_renders(tmp_path, monkeypatch):
     monkeypatch.setattr(experiment_module, "get_experiment", lambda name: Fake())
     fig_claims([_record("fake", _rows(10, x=RNG.normal(0, 0.02, 10)))], tmp_path / "c.png")
     assert (tmp_path / "c.png").stat().st_size > 5000
+
+
+def test_a_null_from_a_handful_of_instances_is_not_a_powered_negative():
+    row = {"status": "tested", "q": 0.2, "n": 3, "n_needed": 3, "kind": "equivalent", "bounds": (-0.1, 0.1),
+           "ours": {"ci_low": -0.05, "ci_high": 0.08}, "notes": []}
+    assert verdict(row) == "not measurable (underpowered: n 3 < 10 needed)"
+    assert verdict({**row, "n": 12}) == "not reproduced (n 12 >= 3 needed)"
+
+
+def test_star_step_averages_a_list_per_instance():
+    from kvprobe.claims import get
+
+    row = {"turns": [{"cosine": 0.9, "agree": True}, {"cosine": 1.0, "agree": False}, {"x": 1}]}
+    assert abs(get(row, "turns.*.cosine") - 0.95) < 1e-12 and get(row, "turns.*.agree") == 0.5
+    assert get(row, "turns.*.missing") is None and get({"turns": 3}, "turns.*.cosine") is None

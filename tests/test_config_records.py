@@ -6,6 +6,7 @@ from kvprobe.errors import KVProbeError
 from kvprobe.runner.config import load_config, parse_overrides
 from kvprobe.runner.experiment import get_experiment, record_hash, run_experiment
 from kvprobe.runner.records import RecordWriter, atomic_write_json
+from tests.test_generator import tiny_generator_dir  # noqa: F401  (fixture)
 
 
 def test_unknown_key_names_the_key_and_the_allowed_ones(tmp_path):
@@ -19,8 +20,8 @@ def test_unknown_key_names_the_key_and_the_allowed_ones(tmp_path):
 
 def test_bad_value_and_bad_override_are_clear(tmp_path):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("experiment: locality\ngate:\n  min_flip: -1\n")
-    with pytest.raises(KVProbeError, match="gate.min_flip"):
+    cfg.write_text("experiment: locality\ninclusion:\n  min_flip: -1\n")
+    with pytest.raises(KVProbeError, match="inclusion.min_flip"):
         load_config(cfg)
     with pytest.raises(KVProbeError, match="key=value"):
         parse_overrides(["seed"])
@@ -79,3 +80,67 @@ def test_writer_refuses_finished_and_resumes_partial(tmp_path):
     with pytest.raises(KVProbeError, match="--overwrite"):
         RecordWriter(path)
     RecordWriter(path, overwrite=True)
+
+
+def test_inclusion_is_the_gate_section_under_its_new_name_and_keeps_the_hash(tmp_path):
+    old = load_config(None, {"experiment": "locality", "gate": {"min_flip": 1.0}})
+    new = load_config(None, {"experiment": "locality", "inclusion": {"min_flip": 1.0}})
+    via_set = load_config(None, parse_overrides(["experiment=locality", "inclusion.min_flip=1.0"]))
+    assert old == new == via_set and new.gate.min_flip == 1.0
+    assert old.hash() == new.hash() != load_config(None, {"experiment": "locality"}).hash()
+    with pytest.raises(KVProbeError, match="keep only 'inclusion'"):
+        load_config(None, {"experiment": "locality", "gate": {}, "inclusion": {}})
+
+
+def test_hash_neutral_param_renames_no_record_at_its_default():
+    from pydantic import BaseModel, ConfigDict
+
+    from kvprobe.runner.config import hash_neutral, hashed_params
+
+    class Before(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        top_k: int = 8
+
+    class After(Before):
+        ranking: str = hash_neutral("exact")
+
+    cfg = load_config(None, {"experiment": "locality"})
+    assert hashed_params(After()) == hashed_params(Before()) == {"top_k": 8}
+    assert record_hash(cfg, After(), "t") == record_hash(cfg, Before(), "t")
+    assert record_hash(cfg, After(ranking="atp"), "t") != record_hash(cfg, Before(), "t")
+    assert "ranking" in After().model_dump()  # the record's params still show it
+
+
+def test_committed_records_keep_their_names_under_the_current_code():
+    """Every committed record's name is the hash its stored config and params get from today's code: a renamed
+    config section or a new param must not orphan a committed record."""
+    from pathlib import Path
+
+    checked = 0
+    for path in sorted((Path(__file__).parents[1] / "results").glob("*/*/*.json")):
+        rec = json.loads(path.read_text())
+        if "params_resolved" not in rec:
+            continue
+        cfg = load_config(None, rec["config"])
+        params = get_experiment(rec["experiment"]).params.model_validate(rec["params_resolved"])
+        assert record_hash(cfg, params, rec["task_template_sha256"]) == rec["config_hash"], path
+        checked += 1
+    assert checked >= 40
+
+
+def test_generator_task_runs_a_template_free_probe_and_is_refused_where_the_template_is_read(tiny_generator_dir,
+                                                                                           tmp_path):
+    from kvprobe.runner.cli import main
+
+    gen = ["--set", "task.generator={split: test, formats: [system_user, tool_call]}", "--set", "task.n_instances=2",
+           "--set", "inclusion.min_flip=0", "--quiet", "--model", str(tiny_generator_dir), "--output-dir",
+           str(tmp_path)]
+    assert main(["run", "configs/locality.yaml", *gen]) == 0
+    rec = json.loads(next(tmp_path.glob("locality/*/*.json")).read_text())
+    assert [r["format"] for r in rec["rows"]] == ["system_user", "tool_call"]
+    assert rec["config"]["task"]["generator"]["split"] == "test"
+    plain = load_config(None, {"experiment": "locality"})
+    assert plain.hash() != load_config(None, {"experiment": "locality", "task": {"generator": {}}}).hash()
+    with pytest.raises(KVProbeError, match="task.generator.formats"):
+        load_config(None, {"experiment": "locality", "task": {"generator": {"formats": ["nope"]}}})
+    assert main(["run", "configs/edit_frontier.yaml", *gen]) == 2  # reads the template's erratum wording

@@ -108,6 +108,12 @@ def test_kv_cells_agree_across_backends(backends):
     assert (kv_sweep(native, base, donor, cells, old[ctx:].tolist(), engine="shared") - ref).abs().max() < TOL
     assert (itl.KVCellPatcher(bridge, old, new[:ctx], ctx).sweep(cells) - ref).abs().max() < TOL
     assert (inn.KVCellPatcher(nn_model, as_lm(nn_model), old, new[:ctx], ctx).sweep(cells) - ref).abs().max() < TOL
+    # one cell's logits own their storage: a view into the [1, seq, vocab] output would hold it all (a 200-cell
+    # peer sweep on a 673-token prompt ran out of memory that way)
+    vocab_bytes = ref.shape[1] * 4
+    for one in (itl.KVCellPatcher(bridge, old, new[:ctx], ctx).logits([4]),
+                inn.KVCellPatcher(nn_model, as_lm(nn_model), old, new[:ctx], ctx).logits([4])):
+        assert one.untyped_storage().nbytes() == vocab_bytes
     # kvprobe functions take the peers' objects directly
     view = as_lm(bridge)
     via_bridge = kv_sweep(bridge, prefill(view, old[:ctx]), prefill(view, new[:ctx]), cells, old[ctx:].tolist())

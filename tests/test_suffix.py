@@ -43,3 +43,19 @@ def test_specificity_cli_and_figure(tiny_text_dir, tmp_path):
     row = rec["rows"][0]
     assert {"top1", "rand4", "rand4_draws", "rand4_slots"} <= set(row)  # knockout/writability: own experiments
     assert any(p.name == "table4_specificity.png" for p in render_all(tmp_path, tmp_path / "figs"))
+
+
+def test_atp_ranking_verifying_every_slot_reproduces_the_exact_ranking(tiny_text_dir, tmp_path):
+    """Identity: with every slot re-measured exactly, AtP* only proposes and the exact sweep decides, so the
+    specificity rows equal the exact ranking's; the record gets its own name (ranking is in the hash when set)."""
+    common = ["--model", str(tiny_text_dir), "--set", "task.n_instances=1", "--set", "inclusion.min_flip=0",
+              "--set", "params.ks=[1,4]", "--set", "params.random_draws=1", "--quiet"]
+    assert main(["run", "configs/specificity.yaml", "--output-dir", str(tmp_path / "exact"), *common]) == 0
+    assert main(["run", "configs/specificity.yaml", "--output-dir", str(tmp_path / "atp"), *common,
+                 "--set", "params.ranking=atp", "--set", "params.atp_verify_top=100000"]) == 0
+    exact = json.loads(next((tmp_path / "exact").glob("specificity/*/*.json")).read_text())
+    atp = json.loads(next((tmp_path / "atp").glob("specificity/*/*.json")).read_text())
+    assert exact["config_hash"] != atp["config_hash"] and atp["params_resolved"]["ranking"] == "atp"
+    for key in ("top1", "top4"):
+        assert abs(exact["rows"][0][key] - atp["rows"][0][key]) < 1e-5
+    assert [t["slot"] for t in exact["rows"][0]["top"][:4]] == [t["slot"] for t in atp["rows"][0]["top"][:4]]

@@ -109,7 +109,8 @@ class KVCellPatcher:
                 attn.v_proj.output[:, pos] = self.donor_v[layer][:, pos]
                 envoy_at(block, spec.o_proj_name).input[:, :ctx] = self.base_z[layer]
             logits = model.output.logits[0, -1].save()
-        return logits.float().cpu()
+        # clone: a view would keep the whole [1, seq, vocab] logits alive (~130 MB per cell at 673 tokens)
+        return logits.float().cpu().clone()
 
     def sweep(self, cells: Sequence[Any]) -> torch.Tensor:
         """``[len(cells), vocab]`` for kvprobe :class:`KVPatch` cells."""

@@ -99,9 +99,10 @@ class KVCellPatcher:
     def logits(self, positions: Sequence[int], layers: Sequence[int] | None = None) -> torch.Tensor:
         """Last-position logits ``[vocab]`` (float32, CPU) of one cell."""
         if not list(positions):
-            return self.bridge(self.base_ids)[0, -1].float().cpu()
+            return self.bridge(self.base_ids)[0, -1].float().cpu().clone()
         out = self.bridge.run_with_hooks(self.base_ids, fwd_hooks=self.hooks(positions, layers))
-        return out[0, -1].float().cpu()
+        # clone: a view would keep the whole [1, seq, vocab] logits alive (~130 MB per cell at 673 tokens)
+        return out[0, -1].float().cpu().clone()
 
     def sweep(self, cells: Sequence[Any]) -> torch.Tensor:
         """``[len(cells), vocab]`` for kvprobe :class:`KVPatch` cells."""

@@ -2,8 +2,9 @@
 states read in the same batch, and the row every record carries under the inclusion rule.
 
 "Inclusion" is the per-instance filter (an instance enters the summary when the oracle moves the decision by at
-least ``min_flip`` nats, optionally only when the oracle decides correctly); the YAML key is still ``gate:`` so
-that config hashes of committed records do not change. ``kvprobe gate`` is the RoPE exactness check.
+least ``min_flip`` nats, optionally only when the oracle decides correctly): the config's ``inclusion:`` section,
+stored and hashed as ``gate`` so that committed records keep their names. ``kvprobe gate`` is the RoPE exactness
+check.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def probe_case(ctx: Any, inst: Any, states: StatesFn | None = None, readout_toke
 
 
 def case_row(ctx: Any, inst: Any, case: Case) -> dict[str, Any]:
-    """The shared row under the run's inclusion rule (the config's ``gate:`` section)."""
+    """The shared row under the run's inclusion rule (the config's ``inclusion:`` section)."""
     return case.row(inst, ctx.cfg.gate.min_flip, ctx.cfg.gate.require_oracle_correct)
 
 

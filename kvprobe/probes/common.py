@@ -6,6 +6,8 @@
 - :func:`pair_features` / :func:`probe_features` / :func:`layer_probe`: residual features of both prompts of
   a pair, kept per run in ``ctx.scratch`` (too large for rows; recomputed for rows a resumed run already
   had), and group-CV probes over them;
+- :class:`RankingParams` / :func:`rank_positions`: how suffix and specificity rank downstream positions (an
+  exact single-slot sweep, or AtP* then an exact check of its top cells);
 - :func:`curve_summary` / :func:`binned_profile` / :func:`curves_table`: summaries of per-row curves (a
   dict label -> value, or a list), over gated and over all instances.
 """
@@ -16,17 +18,43 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
 from kvprobe.patching.pairs import PairPrefill
 from kvprobe.patching.ranking import decode_token, rank_downstream
 from kvprobe.patching.residuals import resid_stack
 from kvprobe.probes.case import Case, case_row, ld_from_recovery, probe_case, same_decision  # noqa: F401
 from kvprobe.probes.summary import recovery_summary, which
+from kvprobe.runner.config import hash_neutral
 from kvprobe.stats.probe import group_cv_accuracy
 from kvprobe.tasks.gated import load_template
 
 # Case, probe_case, case_row, ld_from_recovery and same_decision live in kvprobe.probes.case (re-exported here
 # for the experiments that import them from this module).
+
+
+class RankingParams(BaseModel):
+    """The position ranking of the suffix / specificity probes. ``exact`` patches every downstream slot alone
+    (one shared-base sweep, as the committed records did); ``atp`` ranks all slots by AtP* (one forward and one
+    backward pass, kvprobe.patching.atp) and re-measures its ``atp_verify_top`` best exactly: cheap on long
+    contexts. The probes' recoveries are always measured exactly; only the order of slots beyond the verified
+    ones is AtP*'s, so a top-K set with K <= atp_verify_top can differ from the exact ranking's only by AtP*
+    false negatives (slots it ranked below ``atp_verify_top``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    ranking: str = hash_neutral("exact", pattern="^(exact|atp)$", description="'exact' or 'atp' (AtP* + verify)")
+    atp_verify_top: int = hash_neutral(32, ge=1, description="with ranking 'atp': slots re-measured exactly")
+
+
+def rank_positions(ctx: Any, case: Case) -> Any:
+    """Downstream slots of ``case`` by single-slot recovery (oracle K/V into the stale cache), per the run's
+    :class:`RankingParams`."""
+    p = ctx.params
+    if p.ranking == "atp":
+        from kvprobe.patching.atp import atp_position_ranking
+
+        return atp_position_ranking(ctx.lm, case.pp, case.anchor, p.atp_verify_top, ctx.cfg.batch_size)
+    return rank_downstream(ctx.lm, case.pp, case.anchor, ctx.cfg.batch_size)
 
 
 def polarity_instances(ctx: Any) -> list[Any]:
@@ -150,7 +178,7 @@ def curves_table(summary: dict[str, Any], sections: Sequence[tuple[str, str]]) -
     """Terminal table: the gate line, then per section (title, summary key) one line per label."""
     w = which(summary)
     g = summary["gate"]
-    lines = [f"instances {summary['n_instances']}, included {summary['n_included']} (gate: oracle flip >= "
+    lines = [f"instances {summary['n_instances']}, included {summary['n_included']} (inclusion rule: oracle flip >= "
              f"{g['min_flip']} nats); oracle flip median {summary['oracle_flip'].get('median', float('nan')):.3f}; "
              f"means over {w} instances"]
     for title, key in sections:

@@ -127,7 +127,7 @@ def format_methods_table(summary: dict[str, Any], names: Sequence[str], key: str
     over = which(summary)
     g = summary["gate"]
     w = max([len(n) for n in names] + [20]) + 2
-    lines = [f"instances {summary['n_instances']}, included {summary['n_included']} (gate: oracle flip >= "
+    lines = [f"instances {summary['n_instances']}, included {summary['n_included']} (inclusion rule: oracle flip >= "
              f"{g['min_flip']} nats); oracle flip median {summary['oracle_flip'].get('median', float('nan')):.3f}; "
              f"columns over {over} instances",
              f"{'method':<{w}}{'P(correct)':<22}{'recovery':<24}{'recompute':>10}  surgery  vs-reprefill"]

@@ -11,14 +11,64 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kvprobe.errors import KVProbeError
 from kvprobe.models.registry import DEFAULT_MODEL
 
 
+def hash_neutral(default: Any, **kwargs: Any) -> Any:
+    """A param added after records were written, whose ``default`` reproduces those records' numbers: it enters the
+    record hash only when set to something else, so adding it renames no committed record."""
+    return Field(default, json_schema_extra={"hash_neutral_default": True}, **kwargs)
+
+
+def hashed_params(params: BaseModel) -> dict[str, Any]:
+    """A model as hashed: its JSON dump, defaults included, except hash-neutral fields left at their default
+    (recursively, so a hash-neutral field of a nested section counts too)."""
+    dumped = params.model_dump(mode="json")
+    for name, info in type(params).model_fields.items():
+        value = getattr(params, name)
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        if extra.get("hash_neutral_default") and value == info.get_default(call_default_factory=True):
+            dumped.pop(name, None)
+        elif isinstance(value, BaseModel):
+            dumped[name] = hashed_params(value)
+    return dumped
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class GeneratorTask(Strict):
+    """Instances from the procedural scenario generator (kvprobe.tasks.generator) instead of the template:
+    instance i takes family i of ``split`` in format ``formats[i % len(formats)]``."""
+
+    split: str = Field("test", description="generator split the families come from (train, validation, test)")
+    formats: list[str] = Field(default_factory=lambda: ["system_user", "tool_call"], min_length=1)
+    distance: int | None = Field(None, ge=1, description="target field-to-decision tokens; None: 25 note lines")
+    counterfactual: float = Field(0.5, ge=0.0, le=1.0, description="probability of an exchanged-values rule")
+    words: str = "kvprobe/tasks/data/scenario_words.yaml"
+
+    @field_validator("split")
+    @classmethod
+    def _known_split(cls, v: str) -> str:
+        from kvprobe.tasks.generator import SPLITS
+
+        if v not in SPLITS:
+            raise ValueError(f"split must be one of {list(SPLITS)}")
+        return v
+
+    @field_validator("formats")
+    @classmethod
+    def _known_formats(cls, v: list[str]) -> list[str]:
+        from kvprobe.tasks.generator import FORMATS
+
+        unknown = sorted(set(v) - set(FORMATS))
+        if unknown:
+            raise ValueError(f"unknown formats {unknown}; choose from {list(FORMATS)}")
+        return v
 
 
 class TaskConfig(Strict):
@@ -26,10 +76,14 @@ class TaskConfig(Strict):
     scenarios: list[str] | None = None  # None: every scenario of the template
     n_instances: int = Field(24, ge=1)
     n_filler: int = Field(24, ge=20, description="neutral filler rules between rule and decision (paper: >= 20)")
+    generator: GeneratorTask | None = hash_neutral(None, description="generated instances instead of the template")
 
 
 class GateConfig(Strict):
-    """Inclusion gate: an instance enters the summary only if the oracle moves the decision enough."""
+    """Inclusion rule: an instance enters the summary only if the oracle moves the decision enough.
+
+    Written ``inclusion:`` in a config; ``gate:`` (the name the committed records were hashed under) is still
+    accepted, and the hash keeps the old key so a renamed config names the same record."""
 
     min_flip: float = Field(0.5, ge=0.0, description="minimum oracle flip (nats of the action logit difference)")
     require_oracle_correct: bool = False
@@ -52,7 +106,8 @@ class RunConfig(Strict):
 
         ``extra`` folds in content the config only points to (the task template file's hash); ``params``,
         when given, replaces the raw params by the experiment's resolved ones (defaults included)."""
-        payload = {**self.model_dump(exclude={"output_dir"}), "_extra": extra}
+        payload = {k: v for k, v in hashed_params(self).items() if k != "output_dir"}
+        payload["_extra"] = extra
         if params is not None:
             payload["params"] = params
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:12]
@@ -76,6 +131,8 @@ def format_validation_error(exc: Exception, model: type[BaseModel] | None = None
     for err in exc.errors():
         loc = tuple(err["loc"])
         key = ".".join(str(p) for p in (prefix, *loc) if p != "")
+        if model is RunConfig and loc and loc[0] == "gate":  # the documented name of that section
+            key = "inclusion" + key[len("gate"):]
         if err["type"] == "extra_forbidden":
             allowed = _allowed_keys(model, loc) if model is not None else []
             hint = f" (allowed: {', '.join(allowed)})" if allowed else ""
@@ -114,6 +171,17 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _inclusion_key(data: dict[str, Any], where: Any) -> dict[str, Any]:
+    """``inclusion:`` is the config's name for the inclusion rule; it is stored (and hashed) as ``gate``."""
+    if "inclusion" not in data:
+        return data
+    if "gate" in data:
+        raise KVProbeError(f"config {where}: keys 'inclusion' and 'gate' name the same rule; keep only 'inclusion'")
+    out = {k: v for k, v in data.items() if k != "inclusion"}
+    out["gate"] = data["inclusion"]
+    return out
+
+
 def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> RunConfig:
     data: dict[str, Any] = {}
     if path is not None:
@@ -124,7 +192,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
         if not isinstance(loaded, dict):
             raise KVProbeError(f"config {p} must be a YAML mapping of keys")
         data = loaded
-    data = _merge(data, overrides or {})
+    data = _merge(_inclusion_key(data, path), _inclusion_key(overrides or {}, "--set"))
     try:
         return RunConfig.model_validate(data)
     except ValidationError as exc:

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict
 from tqdm.auto import tqdm
 
 from kvprobe.errors import KVProbeError
-from kvprobe.runner.config import RunConfig, validate_params
+from kvprobe.runner.config import RunConfig, hashed_params, validate_params
 from kvprobe.runner.records import RecordWriter, _clean, git_commit, package_versions, record_path
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,9 @@ class Experiment:
     # The paper's testable claims about this experiment (kvprobe.claims.Claim), evaluated from records by
     # `kvprobe claims`; each names the task template stem it applies to, like ``paper``.
     claims: tuple[Any, ...] = ()
+    # Whether run_instance reads the task template itself (``ctx.template``: erratum wording, prompt layout), so
+    # generated instances (``task.generator``) cannot stand in for the template's.
+    needs_template: bool = False
 
 
 def available_experiments() -> dict[str, str]:
@@ -79,7 +82,19 @@ def get_experiment(name: str) -> Experiment:
 
 
 def default_instances(ctx: Context) -> list[Any]:
+    """The run's instances: the template's (``task.template``), or the generator's (``task.generator``)."""
     from kvprobe.tasks.gated import generate_instances, load_template
+
+    gen = ctx.cfg.task.generator
+    if gen is not None:
+        from kvprobe.cache_dir import project_path
+        from kvprobe.tasks.generator import build_generated, load_words
+
+        words, lm = load_words(project_path(gen.words)), ctx.lm
+        return [build_generated(i, ctx.cfg.seed, gen.split, gen.formats[i % len(gen.formats)],
+                                tokenizer=lm.tokenizer, chat=lm.has_chat_template, distance=gen.distance,
+                                counterfactual=gen.counterfactual, words=words)
+                for i in range(ctx.cfg.task.n_instances)]
 
     ctx.template = load_template(ctx.cfg.task.template)
     return generate_instances(ctx.template, ctx.cfg.task.n_instances, ctx.cfg.seed, ctx.cfg.task.scenarios,
@@ -91,7 +106,7 @@ def task_template_sha(cfg: RunConfig) -> str:
 
     from kvprobe.cache_dir import project_path
 
-    path = project_path(cfg.task.template)
+    path = project_path(cfg.task.generator.words if cfg.task.generator else cfg.task.template)
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.exists() else ""
 
 
@@ -101,7 +116,7 @@ def record_hash(cfg: RunConfig, params: BaseModel, template_sha: str | None = No
     Resolved means defaults included, so editing a template or changing a default in code makes a new
     record, never a silent mix with (or a refusal on) an old one."""
     sha = task_template_sha(cfg) if template_sha is None else template_sha
-    return cfg.hash(extra=sha, params=params.model_dump(mode="json"))
+    return cfg.hash(extra=sha, params=hashed_params(params))
 
 
 def verification_dir(output_dir: str | Path) -> Path:
@@ -123,6 +138,10 @@ def run_experiment(cfg: RunConfig, overwrite: bool = False, fresh: bool = False,
 
     exp = get_experiment(cfg.experiment)
     params = validate_params(exp.params, cfg.params, config_source)
+    if cfg.task.generator is not None and (exp.make_instances is not None or exp.needs_template):
+        why = "builds its own instances" if exp.make_instances is not None else "reads the task template's wording"
+        raise KVProbeError(f"config {config_source}: key 'task.generator': experiment '{exp.name}' {why}; "
+                           "remove task.generator (it serves the template-free probes, e.g. locality, suffix)")
     template_sha = task_template_sha(cfg)
     resolved_params = params.model_dump(mode="json")
     chash = record_hash(cfg, params, template_sha)

@@ -17,7 +17,7 @@ from kvprobe.errors import KVProbeError
 from kvprobe.runner.experiment import available_experiments, get_experiment
 from kvprobe.runner.records import load_records
 
-COLUMNS = ("experiment", "task", "model", "gated / all", "oracle flip median (nats)", "headline (mean [95% CI])",
+COLUMNS = ("experiment", "task", "model", "included / all", "oracle flip median (nats)", "headline (mean [95% CI])",
            "paper")
 
 
@@ -73,7 +73,7 @@ _BLOCK = re.compile(r"(<!-- kvprobe:(?P<name>[a-z_]+) -->\n)(?P<body>.*?)(<!-- /
 def headline_table(results_dir: str | Path = "results", experiment: str = "locality", task: str = "gated") -> str:
     """The README's short table: one experiment's headline on every model (default: locality, Fig. 3a)."""
     rows = [r for r in report_rows(results_dir, [experiment]) if r[1] == task]
-    cols = ("model", "gated / all", "oracle flip median (nats)", "headline (mean [95% CI])")
+    cols = ("model", "included / all", "oracle flip median (nats)", "headline (mean [95% CI])")
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(c.replace("|", "/") for c in (r[2], r[3], r[4], r[5])) + " |" for r in rows]
     return "\n".join(lines)
