@@ -231,7 +231,9 @@ def verdict(row: dict[str, Any], alpha: float = ALPHA) -> str:
 
 
 def _template_stem(record: dict[str, Any]) -> str:
-    return Path(record["config"]["task"]["template"]).stem
+    from kvprobe.runner.records import task_stem
+
+    return task_stem(record)
 
 
 def latest(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

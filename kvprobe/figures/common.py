@@ -19,12 +19,15 @@ def task_template(record: dict[str, Any]) -> str:
 def latest_per_model(records: list[dict[str, Any]], template: str | None = None) -> dict[str, dict[str, Any]]:
     """The newest record for each model name (records come sorted oldest first).
 
-    With ``template`` only records of that task template count, so that an off-template run of the same
-    experiment (e.g. locality on the two-hop task) never replaces the main figure's bar.
+    With ``template`` only records of that task (:func:`task_template`) count, so that an off-template run of
+    the same experiment (e.g. locality on the two-hop task) never replaces the main figure's bar. Without it,
+    records of generated instances (``task.generator``) are left out: they are variants of a probe, not its
+    main run, and are read by name where a figure wants them.
     """
     out: dict[str, dict[str, Any]] = {}
     for rec in records:
-        if template is None or task_template(rec) == template:
+        task = task_template(rec)
+        if (task == template) if template is not None else not task.startswith("generator:"):
             out[rec["model"]["name"]] = rec
     return out
 

@@ -14,6 +14,7 @@ import matplotlib.pyplot as plt
 
 from kvprobe.figures.common import bar_with_ci, latest_per_model, save
 from kvprobe.probes.summary import which
+from kvprobe.runner.records import task_stem
 
 
 def tag(name: str, summary: dict[str, Any]) -> str:
@@ -150,7 +151,7 @@ def fig_offtemplate(records: list[dict[str, Any]], path: Path) -> None:
     for gated-only locality records; call it directly (or register it once render_all can skip)."""
     newest: dict[tuple[str, str], dict[str, Any]] = {}
     for rec in records:
-        newest[(Path(rec["config"]["task"]["template"]).stem, rec["model"]["name"])] = rec
+        newest[(task_stem(rec), rec["model"]["name"])] = rec
     per_key = {f"{t}\n{m}": r for (t, m), r in sorted(newest.items())}
     fig, ax = plt.subplots(figsize=(3.0 + 1.6 * len(per_key), 3.6))
     grouped_bars(ax, per_key, ["field_only", "full_downstream"], ["#e07b39", "#3a78b5"],

@@ -97,7 +97,7 @@ def recipe_summary(recipe: Recipe, n_train_scenarios: int) -> str:
                 f"scenarios ({n_train_scenarios} train families, formats {'/'.join(_train_formats(recipe))}), "
                 f"{recipe.counterfactual_rules:.0%} counterfactual, {recipe.correction:.0%} late corrections, "
                 f"{recipe.reasoning:.0%} reasoning; {recipe.loss} loss (margin {recipe.margin} nats), "
-                f"KL weight {recipe.kl_weight}")
+                f"KL weight {recipe.kl_weight}" + (f"; continued from {recipe.init_from}" if recipe.init_from else ""))
     text = (f"LoRA r={recipe.lora_r} on {'/'.join(recipe.target_modules)}, {recipe.steps} steps on "
             f"{n_train_scenarios} scenarios, gated decisions with the field upstream")
     if recipe.counterfactual_rules:

@@ -80,6 +80,26 @@ def model_slug(name: str) -> str:
     return Path(name).name if ("/" in name or os.sep in name) else name
 
 
+def task_id(record: dict[str, Any]) -> str:
+    """The task a record ran on: its template path as written in the config, or, for generated instances
+    (``task.generator``), ``generator:<split>:<format+format>`` so they never count as the template's."""
+    task = record["config"]["task"]
+    gen = task.get("generator")
+    if gen:
+        return f"generator:{gen['split']}:{'+'.join(gen['formats'])}"
+    return task["template"]
+
+
+def task_stem(record: dict[str, Any]) -> str:
+    """Short task name for tables and claims: the template file's stem (``gated``), or
+    ``generated_<split>_<format+format>``."""
+    task_name = task_id(record)
+    if task_name.startswith("generator:"):
+        _, split, formats = task_name.split(":")
+        return f"generated_{split}_{formats}"
+    return Path(task_name).stem
+
+
 def record_path(output_dir: str | Path, experiment: str, model: str, config_hash: str) -> Path:
     return Path(output_dir) / experiment / model_slug(model) / f"{config_hash}.json"
 

@@ -15,14 +15,14 @@ from typing import Any
 from kvprobe.errors import KVProbeError
 
 from kvprobe.runner.experiment import available_experiments, get_experiment
-from kvprobe.runner.records import load_records
+from kvprobe.runner.records import load_records, task_stem
 
 COLUMNS = ("experiment", "task", "model", "included / all", "oracle flip median (nats)", "headline (mean [95% CI])",
            "paper")
 
 
 def template_stem(record: dict[str, Any]) -> str:
-    return Path(record["config"]["task"]["template"]).stem
+    return task_stem(record)
 
 
 def latest_records(results_dir: str | Path) -> list[dict[str, Any]]:
