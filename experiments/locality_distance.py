@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from kvprobe.cache_dir import project_path
 from kvprobe.patching.pairs import measure, prefill_pair
@@ -31,8 +31,8 @@ from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.probes.common import Case, case_row
 from kvprobe.probes.summary import ci_cell, gate_summary, recovery_summary
 from kvprobe.stats.bootstrap import quantiles
-from kvprobe.tasks.generator import FORMATS, GATED_TEMPLATE, SPLITS, InfeasibleDistance, build_generated, \
-    load_words, template_family, tokenize_generated
+from kvprobe.tasks.generator import FORMATS, GATED_TEMPLATE, GeneratorFormats, GeneratorSplit, InfeasibleDistance, \
+    build_generated, load_words, template_family, tokenize_generated
 
 STATES = ("field_only", "full_downstream")
 
@@ -41,25 +41,10 @@ class Params(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     distances: list[int] = Field([50, 150, 300, 600, 1200, 2000], min_length=1,
                                  description="target field-to-decision distances in tokens")
-    formats: list[str] = Field(list(FORMATS), min_length=1)
+    formats: GeneratorFormats = Field(list(FORMATS), min_length=1)
     instances_per_cell: int = Field(4, ge=1, description="families per (format, distance) cell, paired across cells")
-    split: str = Field("test", description="generator split the families come from")
+    split: GeneratorSplit = Field("test", description="generator split the families come from")
     counterfactual: float = Field(0.5, ge=0.0, le=1.0, description="probability of an exchanged-values rule")
-
-    @field_validator("formats")
-    @classmethod
-    def _known_formats(cls, v: list[str]) -> list[str]:
-        unknown = sorted(set(v) - set(FORMATS))
-        if unknown:
-            raise ValueError(f"unknown formats {unknown}; choose from {list(FORMATS)}")
-        return v
-
-    @field_validator("split")
-    @classmethod
-    def _known_split(cls, v: str) -> str:
-        if v not in SPLITS:
-            raise ValueError(f"split must be one of {list(SPLITS)}")
-        return v
 
 
 def make_instances(ctx: Context) -> list[Any]:

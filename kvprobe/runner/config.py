@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvprobe.errors import KVProbeError
 from kvprobe.models.registry import DEFAULT_MODEL
+from kvprobe.tasks.generator import GeneratorFormats, GeneratorSplit
 
 
 def hash_neutral(default: Any, **kwargs: Any) -> Any:
@@ -45,30 +46,11 @@ class GeneratorTask(Strict):
     """Instances from the procedural scenario generator (kvprobe.tasks.generator) instead of the template:
     instance i takes family i of ``split`` in format ``formats[i % len(formats)]``."""
 
-    split: str = Field("test", description="generator split the families come from (train, validation, test)")
-    formats: list[str] = Field(default_factory=lambda: ["system_user", "tool_call"], min_length=1)
+    split: GeneratorSplit = Field("test", description="generator split the families come from")
+    formats: GeneratorFormats = Field(default_factory=lambda: ["system_user", "tool_call"], min_length=1)
     distance: int | None = Field(None, ge=1, description="target field-to-decision tokens; None: 25 note lines")
     counterfactual: float = Field(0.5, ge=0.0, le=1.0, description="probability of an exchanged-values rule")
     words: str = "kvprobe/tasks/data/scenario_words.yaml"
-
-    @field_validator("split")
-    @classmethod
-    def _known_split(cls, v: str) -> str:
-        from kvprobe.tasks.generator import SPLITS
-
-        if v not in SPLITS:
-            raise ValueError(f"split must be one of {list(SPLITS)}")
-        return v
-
-    @field_validator("formats")
-    @classmethod
-    def _known_formats(cls, v: list[str]) -> list[str]:
-        from kvprobe.tasks.generator import FORMATS
-
-        unknown = sorted(set(v) - set(FORMATS))
-        if unknown:
-            raise ValueError(f"unknown formats {unknown}; choose from {list(FORMATS)}")
-        return v
 
 
 class TaskConfig(Strict):

@@ -42,9 +42,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
+from pydantic import AfterValidator
 
 from kvprobe.errors import KVProbeError
 from kvprobe.tasks.gated import GatedInstance, TokenizedPair, tokenize_pair
@@ -56,6 +57,25 @@ FORMATS = ("system_user", "user_turn", "document_qa", "few_shot", "tool_call", "
 FORMAT_SPLITS: dict[str, tuple[str, ...]] = {"train": ("gated_template", "user_turn", "document_qa"),
                                              "validation": ("few_shot",),
                                              "test": ("system_user", "tool_call")}
+def known_formats(formats: list[str]) -> list[str]:
+    """Config validator: every name is a generator format (``ValueError`` names the unknown ones)."""
+    unknown = sorted(set(formats) - set(FORMATS))
+    if unknown:
+        raise ValueError(f"unknown formats {unknown}; choose from {list(FORMATS)}")
+    return formats
+
+
+def known_split(split: str) -> str:
+    """Config validator: ``split`` is one of :data:`SPLITS`."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {list(SPLITS)}")
+    return split
+
+
+GeneratorFormats = Annotated[list[str], AfterValidator(known_formats)]
+GeneratorSplit = Annotated[str, AfterValidator(known_split)]
+
+
 ANSWER_PREFIX = "Decision:"
 REASONING_PREFIX = "Reasoning:"
 DEFAULT_NOTES = 25  # note lines when no distance is asked for (the issue's chat prompt had ~25)
