@@ -48,7 +48,6 @@ def _head_slice(lm: Any, head: int) -> slice:
 def hooked(lm: Any, sites: Sequence[Site], fn: Callable[[Site, torch.Tensor], torch.Tensor | None]) -> Iterator[None]:
     """Call ``fn(site, activation[batch, seq, d])`` at every site; a returned tensor replaces the activation."""
     lm = as_lm(lm)  # a TransformerLens bridge or nnsight model becomes the LoadedModel behind it
-    handles = []
     by_module: dict[tuple[int, str], list[Site]] = {}
     modules: dict[int, torch.nn.Module] = {}
     for site in sites:
@@ -70,21 +69,28 @@ def hooked(lm: Any, sites: Sequence[Site], fn: Callable[[Site, torch.Tensor], to
                     act = new
         return act
 
-    for (mid, where), group in by_module.items():
-        module = modules[mid]
+    with replace_activations([(modules[mid], where, lambda act, group=group: apply(group, act))
+                              for (mid, where), group in by_module.items()]):
+        yield
+
+
+@contextmanager
+def replace_activations(hooks: Sequence[tuple[torch.nn.Module, str, Callable[[torch.Tensor], torch.Tensor]]]
+                        ) -> Iterator[None]:
+    """For each ``(module, where, fn)``, replace the module's input (``where='pre'``, the first positional
+    argument or ``hidden_states``) or output (``'post'``, the first element of a tuple) by ``fn(activation)``;
+    the hooks are removed on exit."""
+    handles = []
+    for module, where, fn in hooks:
         if where == "pre":
-            def pre(mod, args, kwargs, group=group):
+            def pre(mod, args, kwargs, fn=fn):
                 if args:
-                    return (apply(group, args[0]), *args[1:]), kwargs
-                kwargs = dict(kwargs)
-                kwargs["hidden_states"] = apply(group, kwargs["hidden_states"])
-                return args, kwargs
+                    return (fn(args[0]), *args[1:]), kwargs
+                return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
             handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         else:
-            def post(mod, args, output, group=group):
-                if isinstance(output, tuple):
-                    return (apply(group, output[0]), *output[1:])
-                return apply(group, output)
+            def post(mod, args, output, fn=fn):
+                return (fn(output[0]), *output[1:]) if isinstance(output, tuple) else fn(output)
             handles.append(module.register_forward_hook(post))
     try:
         yield

@@ -25,8 +25,7 @@ materialized reference to float error.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -35,7 +34,7 @@ import torch
 from kvprobe.kv.readout import prefill, read_logits
 from kvprobe.kv.state import KVState
 from kvprobe.metrics import logit_diff
-from kvprobe.patching.hooks import capture, site_module
+from kvprobe.patching.hooks import capture, replace_activations, site_module
 from kvprobe.patching.sites import Site
 from kvprobe.patching.shared_engine import shared_kv_sweep, supports_shared
 from kvprobe.patching.sweep import KVPatch, kv_sweep
@@ -215,27 +214,9 @@ def materialize(case: Case, patch: KV | Joint, base: str = "stale",
 
 # -- per-row hooks ---------------------------------------------------------------------------------------------
 
-@contextmanager
-def _row_hooks(modules: Mapping[torch.nn.Module, Callable[[torch.Tensor], torch.Tensor]], where: str
-               ) -> Iterator[None]:
+def _row_hooks(modules: Mapping[torch.nn.Module, Callable[[torch.Tensor], torch.Tensor]], where: str) -> Any:
     """Replace each module's input (``where='pre'``) or output (``'post'``) by ``fn(activation)``."""
-    handles = []
-    for module, fn in modules.items():
-        if where == "pre":
-            def pre(mod, args, kwargs, fn=fn):
-                if args:
-                    return (fn(args[0]), *args[1:]), kwargs
-                return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
-            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-        else:
-            def post(mod, args, output, fn=fn):
-                return (fn(output[0]), *output[1:]) if isinstance(output, tuple) else fn(output)
-            handles.append(module.register_forward_hook(post))
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
+    return replace_activations([(module, where, fn) for module, fn in modules.items()])
 
 
 def _head_out_logits(lm: Any, case: Case, base: KVState, patches: Sequence[HeadOut],
