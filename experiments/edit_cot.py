@@ -130,7 +130,7 @@ def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-EXPERIMENT = Experiment(name="edit_cot", doc=__doc__, needs_template=True, params=Params, run_instance=run_instance,
+EXPERIMENT = Experiment(name="edit_cot", doc=__doc__, params=Params, run_instance=run_instance,
                         summarize=summarize_rows, table=lambda s: format_methods_table(s, list(s["methods"])),
                         headline=lambda s: methods_headline(s),
                         paper={"gated": "in_place: 1.00 with CoT, 0.00 without; the erratum fixes both (Fig. 2c)"},

@@ -18,6 +18,10 @@ hoist-to-end 1.00 with surgery, CacheBlend@15% 0.13, in_place and stale 0.00.
 Where our setting differs: the embedded models are small and gate weakly, so the record reports the flip
 distribution and the gate it applied; the selective@K ranking patches single positions of the oracle's K/V
 (an analysis-time ranking, as in the paper's Section 3), while the edit itself recomputes those tokens.
+With ``task.generator`` the instances are generated families in any format: the erratum is the generator's
+correction line (the wording the v3 organism's late corrections were trained on, full prefills only), placed
+just ahead of the format's decision prompt, so "erratum over a stale cache vs the same text prefilled in full"
+can be asked where a model does follow corrections.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from kvprobe.patching.pairs import measure
 from kvprobe.patching.ranking import rank_downstream
 from kvprobe.probes.edit_summary import (base_row, edit_case, edit_gate_summary, format_methods_table,
                                          method_entry, methods_headline, methods_summary, read_ld)
-from kvprobe.claims import Claim
+from kvprobe.claims import ACCURACY_MARGIN, Claim
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.tasks.edits import erratum_body, erratum_line, hoisted_body, prompt_ids
 
@@ -49,7 +53,8 @@ class Params(BaseModel):
     cacheblend_ratios: list[float] = Field(default_factory=lambda: [0.15],
                                            description="fractions of the context recomputed")
     cacheblend_check_layer: int = Field(1, ge=0, description="layer whose KV deviation ranks the tokens")
-    erratum_wording: str | None = Field(None, description="over {field}, {new_value}; null: the template's erratum")
+    erratum_wording: str | None = Field(None, description="over {field}, {new_value}; null: the template's erratum "
+                                         "(generated instances: the generator's correction line)")
     kstar_recovery: float = Field(0.9, description="K* = smallest K whose mean recovery reaches this")
 
 
@@ -126,7 +131,7 @@ def table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-EXPERIMENT = Experiment(name="edit_frontier", doc=__doc__, needs_template=True, params=Params, run_instance=run_instance,
+EXPERIMENT = Experiment(name="edit_frontier", doc=__doc__, params=Params, run_instance=run_instance,
                         summarize=summarize_rows, table=table,
                         headline=lambda s: methods_headline(s, [n for n in s["methods"] if not n.startswith("selective@")])
                         + f"; K* (selective@K recovery >= 0.9) {s['k_star']}",
@@ -135,7 +140,7 @@ EXPERIMENT = Experiment(name="edit_frontier", doc=__doc__, needs_template=True, 
                                         "@12.0%, CacheBlend@15% 0.13 @14.5%, in_place 0.00 @0.6%, stale 0.00 @0%"},
                         claims=(Claim("erratum_vs_reprefill", "erratum decides as full reprefill", "1.00 vs 1.00 "
                                       "(Tab. 6)", "agrees", "methods.erratum.correct", "methods.full_reprefill.correct",
-                                      paper_value=1.0, bound=0.9),
+                                      paper_value=1.0, bound=1 - ACCURACY_MARGIN),
                                 Claim("erratum_vs_in_place", "erratum beats in-place P(correct)", "1.00 vs 0.00 (Tab. "
                                       "6; McNemar p=0.031, Sec. 7)", "greater", "methods.erratum.correct",
                                       "methods.in_place.correct", paper_value=1.0),

@@ -12,7 +12,8 @@ reprefill of its byte-identical text. The paper finds bare value, tagged update 
 ~1.0 P(safe), the aggressive wording lower (0.81).
 
 Where our setting differs: small embedded models; the wordings live in the config (format strings over
-{field}, {new_value}, {old_value}; null is the template's erratum), and every row records the exact line.
+{field}, {new_value}, {old_value}; null is the template's erratum, or for generated
+instances the generator's correction line), and every row records the exact line.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ class Params(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     readout_tokens: int = Field(1, ge=1)
     wordings: dict[str, str | None] = Field(default_factory=lambda: dict(WORDINGS),
-                                            description="name -> format string; null: the template's erratum")
+                                            description="name -> format string; null: the template's erratum "
+                                                        "(generated instances: the generator's correction line)")
     arms: list[str] = Field(default_factory=lambda: ["erratum"], description="erratum and/or field_erratum")
     reference: bool = Field(True, description="also read a full reprefill of each byte-identical erratum text")
 
@@ -83,7 +85,7 @@ def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-EXPERIMENT = Experiment(name="edit_wording", doc=__doc__, needs_template=True, params=Params, run_instance=run_instance,
+EXPERIMENT = Experiment(name="edit_wording", doc=__doc__, params=Params, run_instance=run_instance,
                         summarize=summarize_rows, table=lambda s: format_methods_table(s, list(s["methods"])),
                         headline=lambda s: methods_headline(s),
                         paper={"gated": "P(safe): bare value, tagged update, explicit override ~1.0; aggressive "

@@ -255,8 +255,11 @@ def claims_rows(records: Sequence[dict[str, Any]], alpha: float = ALPHA) -> list
         if rec["experiment"] not in known:
             continue
         stem = _template_stem(rec)
+        # Generated instances are gated-decision pairs too (kvprobe.tasks.generator): the gated claims apply,
+        # and the row keeps the generated task's name so the table tells the two apart.
+        task = "gated" if stem.startswith("generated_") else stem
         for claim in get_experiment(rec["experiment"]).claims:
-            if claim.template != stem:
+            if claim.template != task:
                 continue
             row = {"experiment": rec["experiment"], "template": stem, "model": rec["model"]["name"],
                    **evaluate(claim, rec), "record": rec.get("_path"),

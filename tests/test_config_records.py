@@ -143,4 +143,8 @@ def test_generator_task_runs_a_template_free_probe_and_is_refused_where_the_temp
     assert plain.hash() != load_config(None, {"experiment": "locality", "task": {"generator": {}}}).hash()
     with pytest.raises(KVProbeError, match="task.generator.formats"):
         load_config(None, {"experiment": "locality", "task": {"generator": {"formats": ["nope"]}}})
-    assert main(["run", "configs/edit_frontier.yaml", *gen]) == 2  # reads the template's erratum wording
+    assert main(["run", "configs/long_horizon.yaml", *gen]) == 2  # reads the template's own layout
+    # the edit experiments take generated instances: the erratum is the generator's correction line
+    assert main(["run", "configs/edit_frontier.yaml", *gen, "--set", "params.selective_k=[1]"]) == 0
+    rows = json.loads(next(tmp_path.glob("edit_frontier/*/*.json")).read_text())["rows"]
+    assert all(r["erratum_text"].startswith("Correction: ") for r in rows)

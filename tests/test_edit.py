@@ -16,6 +16,7 @@ from kvprobe.runner.cli import main
 from kvprobe.runner.report import report_rows
 from kvprobe.tasks.edits import WORDINGS, answer_prefix_tokens, erratum_body, erratum_line, hoisted_body, prompt_ids
 from kvprobe.tasks.gated import generate_instances, tokenize_pair
+from tests.test_generator import tiny_generator_dir  # noqa: F401  (fixture)
 
 TOL = 1e-5
 
@@ -194,6 +195,12 @@ def test_edit_records(records):
         assert max(row["checks"].values()) < 1e-4
         assert m["in_place"]["correct"] == (m["in_place"]["ld"] > 0)
     assert [s["k"] for s in frontier["summary"]["selective_k"]] == [1, 4]
+    # the erratum's agreement with the reprefill of its own text holds by construction: the table says so
+    from kvprobe.runner.experiment import get_experiment
+
+    rows = get_experiment("edit_frontier").table(frontier["summary"]).splitlines()
+    assert next(r for r in rows if r.startswith("erratum ")).endswith("(identity)")
+    assert not next(r for r in rows if r.startswith("field_erratum ")).endswith("(identity)")
     wording = recs["edit_wording"][0]
     assert set(wording["summary"]["methods"]) == {f"{a}/{w}" for a in ("erratum", "field_erratum") for w in WORDINGS}
     cot = recs["edit_cot"][0]
@@ -223,3 +230,44 @@ def test_edit_report_rows(records):
         assert row[5].strip() and row[6].strip(), row
     frontier = next(r for r in rows if r[0] == "edit_frontier")
     assert "full_reprefill " in frontier[5] and "@100.0%" in frontier[5] and "@0.0%" in frontier[5]
+
+
+@pytest.mark.parametrize("fmt", ["system_user", "user_turn", "document_qa", "few_shot", "tool_call", "gated_template"])
+def test_generated_instances_take_the_erratum_ahead_of_their_decision_prompt(fmt):
+    from kvprobe.tasks.generator import CORRECTION, build_generated
+
+    inst = build_generated(2, 0, "test", fmt, n_notes=3)
+    head = inst.after_field[inst.decision_at:]
+    assert head.startswith(("Question: ", "TASK\n")) or head.startswith(inst.after_field.rsplit("\n", 1)[-1])
+    line = erratum_line(None, inst, inst.new_value)
+    assert line == CORRECTION.format(field=inst.field, new_value=inst.new_value)
+    assert erratum_body(None, inst, inst.old_value, []) == inst.body(inst.old_value)
+    body = erratum_body(None, inst, inst.old_value, [line])
+    assert body == inst.body(inst.old_value).replace(head, f"{line}\n\n{head}")
+    hoisted = hoisted_body(None, inst, inst.new_value)
+    assert f"{inst.field}: {inst.new_value}\n\n{head}" in hoisted
+    assert hoisted.count(f"{inst.field}:") == inst.body(inst.new_value).count(f"{inst.field}:")  # moved, not added
+    template_inst = generate_instances(_template(), 1, seed=0)[0]
+    with pytest.raises(Exception, match="needs its template"):
+        erratum_line(None, template_inst, template_inst.new_value)
+
+
+def _template():
+    from kvprobe.tasks.gated import load_template
+
+    return load_template("configs/tasks/gated.yaml")
+
+
+def test_generated_erratum_paths_equal_full_forward_of_the_same_text(tiny_generator_dir):
+    from kvprobe.tasks.generator import build_generated
+
+    lm = load_model(str(tiny_generator_dir))
+    inst = build_generated(0, 0, "test", "document_qa", tokenizer=lm.tokenizer, chat=False, n_notes=4)
+    pp = prefill_pair(lm, tokenize_pair(lm.tokenizer, inst, False))
+    e = edit.FieldEdit.from_pair(pp)
+    ids = prompt_ids(lm.tokenizer, inst, erratum_body(None, inst, inst.old_value,
+                                                      [erratum_line(None, inst, inst.new_value)]), False)
+    res = edit.erratum(lm, e, ids, 1)
+    full = read_logits(lm, prefill(lm, ids[:-1]), ids[-1:])
+    assert (read_logits(lm, res.state, res.suffix_ids) - full).abs().max() < 1e-4
+    assert res.detail["reused_tokens"] > pp.pair.field_slots[-1]

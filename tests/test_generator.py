@@ -246,3 +246,29 @@ def test_capped_loss_stops_pushing_beyond_the_margin():
     assert within.logits.grad[0, 0, 1] < 0 < within.logits.grad[0, 0, 2]  # pushes correct up, other down
     with pytest.raises(KVProbeError, match="not 'ce' or 'capped'"):
         _seq_loss(within, [seq], Recipe(loss="hinge"))
+
+
+def test_seed_spread_scores_every_seed_on_the_same_heldout_pairs(tiny_generator_dir, tmp_path, monkeypatch):
+    from kvprobe.organism.seeds import check_same_recipe, seed_spread, seed_table, write_seed_spread
+    from kvprobe.organism.train import train_organism
+
+    monkeypatch.setenv("KVPROBE_CACHE", str(tmp_path / "cache"))
+    cards = [train_organism(_v3(tiny_generator_dir, seed=s, alias=f"tiny-v3-s{s}"), tmp_path / f"s{s}",
+                            progress=False).card for s in (0, 1)]
+    assert cards[0]["data_hashes"]["train"] != cards[1]["data_hashes"]["train"]  # the seed draws other data
+    assert cards[0]["data_hashes"]["eval"] == cards[1]["data_hashes"]["eval"]  # ... and is scored on the same
+    spread = seed_spread([tmp_path / "s0", tmp_path / "s1"], progress=False)
+    assert spread["card_eval_hashes_agree"] and spread["seeds"] == [0, 1]
+    for name, block in spread["sets"].items():
+        acc = block["all"]["accuracy"]
+        # re-evaluating the saved (merged) adapters reproduces each card's own held-out accuracy
+        assert acc["per_seed"] == [c["heldout_eval"]["after"][name]["all"]["accuracy"] for c in cards], name
+        assert acc["sd"] is not None and len(block["by_family"]) == block["all"]["n_pairs"]
+    write_seed_spread(tmp_path / "s0", spread)
+    assert json.loads((tmp_path / "s0" / "card.json").read_text())["seeds"]["aliases"] == ["tiny-v3-s0", "tiny-v3-s1"]
+    table = seed_table(folders=[tmp_path / "s0", tmp_path / "s1"]).splitlines()
+    assert len(table) == 2 + 5 + 1 + sum(len(b["by_format"]) for b in spread["sets"].values()
+                                         if len(b["by_format"]) > 1)  # the card without a spread adds nothing
+    other = dict(cards[1], recipe={**cards[1]["recipe"], "steps": 4})
+    with pytest.raises(KVProbeError, match="differ in \\['steps'\\]"):
+        check_same_recipe([cards[0], other])

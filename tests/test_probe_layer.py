@@ -114,3 +114,43 @@ def test_actions_only_matches_full_logits_on_every_path(case_lm):
     fast = sweep(lm, case, patches, metric="logit_diff", actions_only=True)
     for label in patches:
         assert fast[label] == pytest.approx(full[label], abs=1e-4), label
+
+
+def test_directional_patch_matches_its_references(case_lm):
+    from kvprobe.features.directions import NoteSite, site_acts
+    from kvprobe.kv.state import KVState
+    from kvprobe.probes import Directional
+
+    lm, _, case = case_lm
+    pp = case.pp
+    slot = pp.downstream_slots[3]
+    v, k, resid = NoteSite("v", 2, 1), NoteSite("k", 1, 0), NoteSite("resid", 2)
+    diff = {s: (site_acts(lm, case, s, [slot], "oracle") - site_acts(lm, case, s, [slot], "stale"))[0]
+            for s in (v, k, resid)}
+    other = torch.zeros_like(diff[v])
+    other[0], other[1] = diff[v][1], -diff[v][0]  # orthogonal to the V difference
+    patches = {f"{s.kind}:along": Directional(s, (slot,), diff[s]) for s in (v, k, resid)}
+    patches["v:orthogonal"] = Directional(v, (slot,), other)
+    got = sweep_logits(lm, case, patches, batch_size=2)
+    # Along the source-minus-base difference the component carries the whole difference: the V (or K)
+    # entry of that head at that slot becomes the oracle's, i.e. a per-head KV patch of V (or K) alone.
+    old, new = pp.old, pp.new
+    values = list(old.values)
+    values[2] = values[2].clone()
+    values[2][:, 1, slot] = new.values[2][:, 1, slot]
+    keys = list(old.keys)
+    keys[1] = keys[1].clone()
+    keys[1][:, 0, slot] = new.keys[1][:, 0, slot]
+    refs = {"v:along": KVState(old.keys, tuple(values), old.positions),
+            "k:along": KVState(tuple(keys), old.values, old.positions)}
+    for label, state in refs.items():
+        assert torch.allclose(got[label], read_logits(lm, state, pp.suffix)[0], atol=2e-4), label
+    # The residual along its own difference is the full residual patch at that slot (one layer).
+    donor = capture(lm, pp.pair.ids_new[: pp.context_length], [Site("resid_post", 2)])[Site("resid_post", 2)]
+    state, _ = run_patched(lm, pp.pair.ids_old[: pp.context_length], {Site("resid_post", 2, slot): donor[:, slot]})
+    assert torch.allclose(got["resid:along"], read_logits(lm, state, pp.suffix)[0], atol=2e-4)
+    # A direction orthogonal to the difference changes nothing.
+    assert torch.allclose(got["v:orthogonal"], read_logits(lm, old, pp.suffix)[0], atol=2e-4)
+    with pytest.raises(ValueError, match="stale or oracle"):
+        sweep_logits(lm, case, {"x": Directional(v, (slot,), diff[v], source="field_only")},
+                     sources={"field_only": pp.field_only()})

@@ -43,6 +43,22 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _seeds(args: argparse.Namespace) -> int:
+    from kvprobe.organism.seeds import organism_folder, seed_spread, write_seed_spread
+
+    folders = [organism_folder(a) for a in [args.primary, *args.seeds.split(",")]]
+    spread = seed_spread(folders)
+    path = write_seed_spread(folders[0], spread)
+    rows = [(name, s["all"]) for name, s in spread["sets"].items()]
+    for name, a in rows:
+        sd = a["accuracy"]["sd"]
+        print(f"{name:<26} accuracy {a['accuracy']['mean']:.2f} +- {sd:.2f}  median flip "
+              f"{a['median_flip']['mean']:.2f} +- {a['median_flip']['sd']:.2f}  ({a['n_pairs']} pairs)")
+    ppl = spread["neutral_perplexity_relative_change"]
+    print(f"neutral perplexity change {ppl['mean']:+.3f} +- {ppl['sd']:.3f}; written to {path.name} of {args.primary}")
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     org = sub.add_parser("organism", help="train model organisms (base model + LoRA adapter)")
     osub = org.add_subparsers(dest="organism_command", required=True)
@@ -74,3 +90,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     tr.add_argument("--out", default=None, help="adapter folder (default: inside kvprobe/organism/organisms/)")
     tr.add_argument("--fresh", action="store_true", help="ignore checkpoints and start over")
     tr.set_defaults(func=_train)
+    sd = osub.add_parser("seeds", help="mean +- sd over training seeds of one recipe, stored in the first card")
+    sd.add_argument("primary", help="the organism whose card receives the spread (e.g. smollm2-135m-gated-v3)")
+    sd.add_argument("--seeds", required=True, help="comma-separated aliases of the same recipe with other seeds")
+    sd.set_defaults(func=_seeds)

@@ -10,7 +10,7 @@
 """
 
 from kvprobe.probes.case import Case, case_row, cell_throughput, ld_from_recovery, probe_case, same_decision
-from kvprobe.probes.sweep import KV, METRICS, BlockOut, HeadOut, Joint, materialize, sweep, sweep_logits
+from kvprobe.probes.sweep import KV, METRICS, BlockOut, Directional, HeadOut, Joint, materialize, sweep, sweep_logits
 
 __all__ = ["Case", "case_row", "cell_throughput", "ld_from_recovery", "probe_case", "same_decision", "KV", "Joint", "HeadOut",
-           "BlockOut", "METRICS", "materialize", "sweep", "sweep_logits"]
+           "BlockOut", "Directional", "METRICS", "materialize", "sweep", "sweep_logits"]

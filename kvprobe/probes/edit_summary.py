@@ -4,6 +4,11 @@ A method's entry in a row: its action logit difference (new-correct minus old-co
 decision is correct (argmax of the two action tokens is the new value's action, i.e. ld > 0), its recovery
 between the instance's stale and oracle anchors, its exact recompute counts, and, where the method reads a
 prompt other than the original (erratum, hoist), its agreement with a full reprefill of that same text.
+
+For an erratum over the stale cache that agreement is an identity, not a finding: the stale cache is the
+prefill of the old text, so appending the erratum is the prefill of the erratum text (up to float error;
+``tests/test_edit.py``). It is a check. For field+erratum (the field recomputed in place, the downstream
+left stale) and for hoist-to-end it is a measurement.
 """
 
 from __future__ import annotations
@@ -123,6 +128,12 @@ def methods_headline(summary: dict[str, Any], names: Sequence[str] | None = None
     return "P(correct): " + "; ".join(cells) + ("" if w == "gated" else " (all instances: none gated)")
 
 
+def reference_is_identity(method: str) -> bool:
+    """Whether a method's agreement with the reprefill of its own text holds by construction (an erratum
+    appended to the stale cache, in any wording)."""
+    return method == "erratum" or method.startswith("erratum/")
+
+
 def format_methods_table(summary: dict[str, Any], names: Sequence[str], key: str = "methods") -> str:
     over = which(summary)
     g = summary["gate"]
@@ -138,5 +149,8 @@ def format_methods_table(summary: dict[str, Any], names: Sequence[str], key: str
         lines.append(f"{name:<{w}}{ci_cell(b['p_correct'][over]):<22}{ci_cell(b['recovery'][over]):<24}"
                      f"{'' if frac is None else f'{100 * frac:.1f}%':>10}  "
                      f"{'yes' if b.get('needs_prompt_surgery') else 'no':<8} "
-                     f"{'' if agree is None else f'{agree:.2f}'}")
+                     f"{'' if agree is None else f'{agree:.2f}'}"
+                     f"{' (identity)' if agree is not None and reference_is_identity(name) else ''}")
+    if any(summary[key][n].get("agreement_with_reference") is not None and reference_is_identity(n) for n in names):
+        lines.append("(identity: an erratum over the stale cache is the prefill of the same text, a check, not a finding)")
     return "\n".join(lines)

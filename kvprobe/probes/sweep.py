@@ -10,7 +10,10 @@ slices a result tensor by offset. Kinds of patch:
 - :class:`HeadOut`: query heads' outputs (the o_proj input slice of each head) at the decision token, taken
   from the readout over a source state (read heads);
 - :class:`BlockOut`: a block's output (``attn_out`` or ``mlp_out``) at context slots of one layer, taken from
-  a source prefill; the context is recomputed from the first patched slot on (everything before is shared).
+  a source prefill; the context is recomputed from the first patched slot on (everything before is shared);
+- :class:`Directional`: only the component along one direction of a note site (the residual stream, or V /
+  pre-RoPE K of one KV head; :class:`kvprobe.features.directions.NoteSite`) at context slots, taken from the
+  source: ``base + u u^T (source - base)`` per slot (the rank-1 interchange of DAS, Geiger et al. 2023).
 
 Sources are named states: ``stale`` (the old prefill) and ``oracle`` (the new prefill) always, plus any extra
 KVState a probe passes (an ablation donor, a resampled input). ``base`` names the state the patches go into.
@@ -26,7 +29,7 @@ materialized reference to float error.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Union
 
 import torch
@@ -95,7 +98,23 @@ class BlockOut:
             raise ValueError("BlockOut needs at least one slot")
 
 
-Patch = Union[KV, Joint, HeadOut, BlockOut]
+@dataclass(frozen=True)
+class Directional:
+    """The component along ``direction`` of ``site`` (a NoteSite) at context ``slots``, from ``source``."""
+
+    site: Any
+    slots: tuple[int, ...]
+    direction: torch.Tensor = field(compare=False, hash=False)
+    source: str = "oracle"
+
+    def __post_init__(self) -> None:
+        if not self.slots:
+            raise ValueError("Directional needs at least one slot")
+        if self.direction.dim() != 1:
+            raise ValueError(f"Directional takes one direction [dim], got shape {tuple(self.direction.shape)}")
+
+
+Patch = Union[KV, Joint, HeadOut, BlockOut, Directional]
 
 
 # -- metrics -------------------------------------------------------------------------------------------------
@@ -148,7 +167,7 @@ def sweep_logits(lm: Any, case: Case, patches: Mapping[str, Patch], batch_size: 
     base_state = states[base]
     out: dict[str, torch.Tensor] = {}
     kv_groups: dict[tuple[str, tuple[int, ...] | None], list[str]] = {}
-    joint, heads, blocks = [], [], []
+    joint, heads, blocks, directional = [], [], [], []
     for label, patch in patches.items():
         if isinstance(patch, KV):
             kv_groups.setdefault((patch.source, patch.heads), []).append(label)
@@ -158,8 +177,11 @@ def sweep_logits(lm: Any, case: Case, patches: Mapping[str, Patch], batch_size: 
             heads.append(label)
         elif isinstance(patch, BlockOut):
             blocks.append(label)
+        elif isinstance(patch, Directional):
+            directional.append(label)
         else:
-            raise TypeError(f"patch {label!r} is a {type(patch).__name__}, not KV, Joint, HeadOut or BlockOut")
+            raise TypeError(f"patch {label!r} is a {type(patch).__name__}, not KV, Joint, HeadOut, BlockOut or "
+                            "Directional")
     for (source, kv_heads), labels in kv_groups.items():
         donor = states[source] if kv_heads is None else base_state.mix_heads(states[source], kv_heads)
         cells = [KVPatch(patches[k].slots, patches[k].layers) for k in labels]
@@ -175,6 +197,9 @@ def sweep_logits(lm: Any, case: Case, patches: Mapping[str, Patch], batch_size: 
     if blocks:
         _store(out, blocks, _columns(_block_out_logits(lm, case, base, [patches[k] for k in blocks], batch_size),
                                      token_ids))
+    if directional:
+        _store(out, directional, _columns(_directional_logits(lm, case, base, [patches[k] for k in directional],
+                                                              batch_size), token_ids))
     return {k: out[k] for k in patches}
 
 
@@ -257,6 +282,38 @@ def _head_out_logits(lm: Any, case: Case, base: KVState, patches: Sequence[HeadO
             else:
                 outs.append(_columns(read_logits(lm, [base] * len(chunk), suffix, batch_size=len(chunk)), token_ids))
     return torch.cat(outs)
+
+
+def _directional_logits(lm: Any, case: Case, base: str, patches: Sequence[Directional], batch_size: int
+                        ) -> torch.Tensor:
+    """Rows that share a site and slots run as one batch of patched activations over the base prompt."""
+    from kvprobe.features.directions import directional_patch, patched_logits, site_acts
+
+    for name in {base, *(p.source for p in patches)}:
+        if name not in ("stale", "oracle"):
+            raise ValueError(f"directional patches read the prompts: base and source must be stale or oracle, "
+                             f"not {name!r}")
+    acts: dict[tuple[Any, tuple[int, ...], str], torch.Tensor] = {}
+
+    def at(site: Any, slots: tuple[int, ...], which: str) -> torch.Tensor:
+        if (site, slots, which) not in acts:
+            acts[(site, slots, which)] = site_acts(lm, case, site, list(slots), which)
+        return acts[(site, slots, which)]
+
+    groups: dict[tuple[Any, tuple[int, ...]], list[int]] = {}
+    for i, p in enumerate(patches):
+        groups.setdefault((p.site, p.slots), []).append(i)
+    out: list[torch.Tensor | None] = [None] * len(patches)
+    with torch.no_grad():
+        for (site, slots), rows in groups.items():
+            for lo in range(0, len(rows), batch_size):
+                chunk = rows[lo:lo + batch_size]
+                new = torch.stack([directional_patch(at(site, slots, base), at(site, slots, patches[i].source),
+                                                     patches[i].direction) for i in chunk])
+                logits = patched_logits(lm, case, site, list(slots), new, base)
+                for j, i in enumerate(chunk):
+                    out[i] = logits[j]
+    return torch.stack(out)
 
 
 def _block_out_logits(lm: Any, case: Case, base: str, patches: Sequence[BlockOut], batch_size: int) -> torch.Tensor:

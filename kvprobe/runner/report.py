@@ -87,10 +87,17 @@ def _claims_block(results_dir: str | Path) -> str:
     return claims_markdown(results_dir)
 
 
+def _organism_seeds_block(results_dir: str | Path) -> str:
+    from kvprobe.organism.seeds import seed_table
+
+    return seed_table(results_dir)
+
+
 GENERATORS: dict[str, Callable[[str | Path], str]] = {
     "report": lambda d: markdown_table(report_rows(d)),
     "headlines": headline_table,
     "claims": _claims_block,
+    "organism_seeds": _organism_seeds_block,
 }
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from kvprobe.errors import KVProbeError
 from kvprobe.tasks.gated import GatedInstance, GatedTemplate, render
+from kvprobe.tasks.generator import CORRECTION, GeneratedInstance
 
 # Figure 3d wording ablation: bare restatement of the value .. aggressive re-evaluation. ``None`` means the
 # template's own erratum string (the verbatim Appendix B line, an explicit override).
@@ -29,10 +30,17 @@ WORDINGS: dict[str, str | None] = {
 }
 
 
-def erratum_line(template: GatedTemplate, inst: GatedInstance, value: str, wording: str | None = None) -> str:
+def _generated(inst: GatedInstance) -> bool:
+    return isinstance(inst, GeneratedInstance)
+
+
+def erratum_line(template: GatedTemplate | None, inst: GatedInstance, value: str, wording: str | None = None) -> str:
     """The erratum for ``value``: ``wording`` (a format string over field, new_value, old_value) or, when
-    None, the template's erratum string."""
-    fmt = template.erratum if wording is None else wording
+    None, the template's erratum string (for a generated instance: the generator's correction line, the
+    wording its late corrections use)."""
+    if wording is None and template is None and not _generated(inst):
+        raise KVProbeError("a template instance needs its template for the default erratum wording")
+    fmt = wording if wording is not None else CORRECTION if _generated(inst) else template.erratum
     try:
         return fmt.format(field=inst.field, new_value=value, old_value=inst.old_value)
     except (KeyError, IndexError) as exc:
@@ -40,8 +48,13 @@ def erratum_line(template: GatedTemplate, inst: GatedInstance, value: str, wordi
                            "use {field}, {new_value}, {old_value}") from None
 
 
-def decision_offset(template: GatedTemplate, inst: GatedInstance) -> int:
-    """Character offset in ``inst.after_field`` where the decision prompt begins."""
+def decision_offset(template: GatedTemplate | None, inst: GatedInstance) -> int:
+    """Character offset in ``inst.after_field`` where the decision prompt begins (a generated instance
+    records its own; a template instance finds the template's decision prompt)."""
+    if _generated(inst):
+        return inst.decision_at
+    if template is None:
+        raise KVProbeError("a template instance needs its template to find the decision prompt")
     return decision_char(template, inst.after_field)
 
 
@@ -54,14 +67,14 @@ def decision_char(template: GatedTemplate, prompt: str) -> int:
     return at
 
 
-def erratum_body(template: GatedTemplate, inst: GatedInstance, field_value: str, lines: Sequence[str]) -> str:
+def erratum_body(template: GatedTemplate | None, inst: GatedInstance, field_value: str, lines: Sequence[str]) -> str:
     """The body with ``field_value`` in the field and each line of ``lines`` ahead of the decision prompt."""
     at = decision_offset(template, inst)
     inserted = "".join(line + "\n\n" for line in lines)
     return inst.before_field + field_value + inst.after_field[:at] + inserted + inst.after_field[at:]
 
 
-def hoisted_body(template: GatedTemplate, inst: GatedInstance, value: str) -> str:
+def hoisted_body(template: GatedTemplate | None, inst: GatedInstance, value: str) -> str:
     """Prompt surgery: the field line moved from SESSION CONTEXT to just before the decision prompt."""
     lead = f"{inst.field}: "
     if not inst.before_field.endswith(lead) or not inst.after_field.startswith("\n"):

@@ -79,6 +79,8 @@ GeneratorSplit = Annotated[str, AfterValidator(known_split)]
 ANSWER_PREFIX = "Decision:"
 REASONING_PREFIX = "Reasoning:"
 DEFAULT_NOTES = 25  # note lines when no distance is asked for (the issue's chat prompt had ~25)
+CORRECTION = "Correction: {field} has changed to {new_value}; the latest value applies."
+"""The late-correction line of the training data, and the default erratum of generated instances."""
 _VALUE = "\x00VALUE\x00"  # where the field's value goes while a body is assembled
 
 
@@ -236,6 +238,7 @@ class GeneratedInstance(GatedInstance):
     :func:`tokenize_generated` (or :meth:`tokenize`), which puts the system message in place."""
 
     system: str = ""
+    decision_at: int = -1  # character offset in after_field where the decision prompt begins
 
     def tokenize(self, tokenizer: Any, chat: bool) -> TokenizedPair:
         return tokenize_generated(tokenizer, self, chat)
@@ -313,6 +316,11 @@ def _body(fmt: str, d: _Draw, field_text: str, notes: list[str]) -> tuple[str, s
                     f"{t.conversation_header}\nuser: {d.request}\n{t.assistant_turn}\n\n{notes_section}"
                     f"TASK\nDecide the single next action. {d.question}")
     raise KVProbeError(f"format '{fmt}' is not one of {', '.join(FORMATS)}")
+
+
+def _decision_head(fmt: str, d: _Draw) -> str:
+    """Where a format's decision prompt begins (the erratum goes just ahead of it, Appendix B)."""
+    return {"document_qa": "Question: ", "gated_template": "TASK\n"}.get(fmt, f"{d.request} {d.question}")
 
 
 def _clean_line(text: str, fam: Family) -> bool:
@@ -404,13 +412,16 @@ def build_generated(index: int, seed: int, split: str, fmt: str, *, tokenizer: A
             # The record states an earlier value; a later line corrects it (the pair varies the correction).
             field_text = early_value
             at = len(lines) // 2
-            lines.insert(at, f"Correction: {fam.field} has changed to {_VALUE}; the latest value applies.")
+            lines.insert(at, CORRECTION.format(field=fam.field, new_value=_VALUE))
         system, body = _body(fmt, draw, field_text, lines)
         if system and not chat:
             body, system = f"{system}\n\n{body}", ""
         if body.count(_VALUE) != 1:
             raise KVProbeError(f"format '{fmt}' placed the field {body.count(_VALUE)} times")
         before, after = body.split(_VALUE)
+        decision_at = after.rfind(_decision_head(fmt, draw))
+        if decision_at < 0:
+            raise KVProbeError(f"format '{fmt}': the decision prompt does not follow the field")
         meta = {"format": fmt, "split": split, "counterfactual": is_cf, "correction": is_correction,
                 "reasoning": is_reasoning, "n_notes": n_notes, "distance_target": distance,
                 "value_pair": list(fam.values), "action_pair": list(fam.actions)}
@@ -420,7 +431,7 @@ def build_generated(index: int, seed: int, split: str, fmt: str, *, tokenizer: A
                                  old_value=old_value, new_value=new_value, old_action=act[old_value],
                                  new_action=act[new_value], before_field=before, after_field=after,
                                  answer_prefix=REASONING_PREFIX if is_reasoning else ANSWER_PREFIX, meta=meta,
-                                 system=system)
+                                 system=system, decision_at=decision_at)
 
     pool: list[str] = []
     if tokenizer is None or distance is None:
