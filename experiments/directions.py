@@ -39,9 +39,11 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvprobe.features.directions import (Example, NoteSite, case_with_resid, diff_of_means, examples_of, find_notes,
+from kvprobe.features.directions import (Example, NoteSite, case_with_resid, diff_of_means, note_instances,
+                                         examples_of, find_notes,
                                          held_out_lds, random_direction, read_gain, reader_matrix, subspace_cosine, train_das,
                                          note_row, variance_ratio)
+from kvprobe.runner.config import hash_neutral
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.probes.summary import ci_cell, gate_summary, summarize_column
 
@@ -54,6 +56,8 @@ class DASParams(BaseModel):
     kinds: list[Literal["resid", "v", "k"]] = Field(default_factory=lambda: ["resid", "v"])
     rank: int = Field(1, ge=1)
     boundless: bool = False
+    sparsity: float = hash_neutral(1e-3, ge=0, description="boundless: weight of the mask-size penalty (sum of the "
+                                   "soft mask); larger keeps fewer dimensions")
     steps: int = Field(100, ge=1)
     batch: int = Field(4, ge=1)
     lr: float = Field(0.01, gt=0)
@@ -99,9 +103,7 @@ def _held(ctx: Context, row: dict[str, Any]) -> tuple[Any, list[int], dict[str, 
 
 
 def _make_instances(ctx: Context) -> list[Any]:
-    from kvprobe.runner.experiment import default_instances
-
-    insts = default_instances(ctx)
+    insts = note_instances(ctx)
     ctx.scratch["instances"] = {i.index: i for i in insts}
     return insts
 
@@ -148,7 +150,8 @@ def _site_report(ctx: Context, site: NoteSite, train: list[dict[str, Any]], held
                            "n_train": len(tr), "n_held_out": len(ho), "gap": gap}
     if train_das_here:
         d = p.das
-        res = train_das(ctx.lm, [ex for ex, _ in tr], d.rank, d.steps, d.batch, d.lr, d.boundless, seed=seed)
+        res = train_das(ctx.lm, [ex for ex, _ in tr], d.rank, d.steps, d.batch, d.lr, d.boundless,
+                        sparsity=d.sparsity, seed=seed)
         bases["das"] = res.basis
         out["das"] = {"rank": res.rank, "steps": res.steps, "seconds": round(res.seconds, 2),
                       "loss_first": res.losses[0], "loss_last10": float(np.mean(res.losses[-10:])),

@@ -29,8 +29,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvprobe.features import sae as saelib
-from kvprobe.features.directions import NoteSite, case_with_resid, decision_ld, find_notes, note_row, patched_logits
-from kvprobe.runner.experiment import Context, Experiment, default_instances
+from kvprobe.features.directions import (NoteSite, case_with_resid, decision_ld, find_notes, note_instances, note_row,
+                                         patched_logits)
+from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.probes.summary import ci_cell, gate_summary, summarize_column
 
 HELD_OUT_DEFAULT = ["accounts", "inventory", "payments", "promotions"]
@@ -72,7 +73,7 @@ def setup(ctx: Context) -> None:
 
 
 def _make_instances(ctx: Context) -> list[Any]:
-    insts = default_instances(ctx)
+    insts = note_instances(ctx)
     ctx.scratch["all_instances"] = insts
     return insts
 

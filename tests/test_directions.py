@@ -139,6 +139,15 @@ def test_boundless_mask_keeps_some_rows(case_lm):
     assert torch.allclose(res.basis @ res.basis.T, torch.eye(res.rank), atol=1e-4)
 
 
+def test_boundless_sparsity_shrinks_the_subspace(case_lm):
+    """The mask-size penalty is what makes boundless DAS pick a small subspace: a heavy one keeps fewer rows."""
+    lm, case, notes = case_lm
+    exs = examples_of(lm, case, NoteSite("v", 1, 0), notes)
+    light = train_das(lm, exs, steps=8, batch=2, lr=0.05, boundless=True, sparsity=0.0, seed=0)
+    heavy = train_das(lm, exs, steps=8, batch=2, lr=0.05, boundless=True, sparsity=1.0, seed=0)
+    assert heavy.rank < light.rank
+
+
 def test_reader_overlap(case_lm):
     lm, _, _ = case_lm
     for site in (NoteSite("resid", 0), NoteSite("v", 1, 0), NoteSite("k", 1, 1)):
@@ -180,3 +189,56 @@ def test_case_with_resid_keeps_the_prefill_residuals(case_lm, template):
     ref = resid_stack(lm, ids, notes, layers=[0, 2])
     assert torch.allclose(resid["oracle"][:, notes], ref, atol=1e-5)
     assert got_case.anchor == case.anchor
+
+
+def test_eval_families_are_checked_against_the_task():
+    """A held-out family the task lacks, or a split with an empty side, is refused with the key to fix."""
+    from types import SimpleNamespace
+
+    from kvprobe.errors import KVProbeError
+    from kvprobe.features.directions import check_eval_families
+
+    insts = [SimpleNamespace(family=f) for f in ("orders", "accounts", "refunds", "accounts")]
+
+    def ctx(families):
+        return SimpleNamespace(params=SimpleNamespace(eval_families=families))
+
+    check_eval_families(ctx(["accounts"]), insts)
+    for families, words in ((["accounts", "travel"], "travel not among"), (["shipping"], "shipping not among"),
+                            (["orders", "accounts", "refunds"], "no training")):
+        with pytest.raises(KVProbeError, match=words) as err:
+            check_eval_families(ctx(families), insts)
+        assert "eval_families" in str(err.value)
+
+
+def test_polarity_template_gives_trigger_pairs_with_their_conclusion():
+    """With the polarity template the note-site experiments take the 2x2 pairs (field byte-identical, the
+    trigger flips) and label the old prompt's conclusion from the pair's direction."""
+    from types import SimpleNamespace
+
+    from kvprobe.features.directions import note_instances
+    from kvprobe.runner.config import RunConfig
+
+    cfg = RunConfig(experiment="directions", task={"template": "configs/tasks/polarity.yaml", "n_instances": 8},
+                    params={"eval_families": ["accounts"]})
+    ctx = SimpleNamespace(cfg=cfg, params=SimpleNamespace(eval_families=["accounts"]), scratch={}, template=None)
+    insts = note_instances(ctx)
+    assert len(insts) == 8 and all(i.meta["varied"] == "trigger" for i in insts)
+    assert {i.meta["direction"] for i in insts} == {"to_block", "to_allow"}
+    for inst in insts:  # the field line is the same text in both prompts: only the trigger differs
+        assert inst.meta["field_value"] in inst.before_field
+
+
+def test_direction_figure_keeps_the_widest_run_per_model_and_task():
+    """A narrower follow-up run (one site) does not replace the main run's row; another task gets its own row."""
+    from kvprobe.figures.features import widest_per_model_and_task
+
+    def rec(model, template, n_sites, tag):
+        return {"model": {"name": model}, "config": {"task": {"template": template}},
+                "summary": {"sites": [{}] * n_sites}, "tag": tag}
+
+    rows = widest_per_model_and_task([rec("m", "configs/tasks/gated.yaml", 6, "main"),
+                                      rec("m", "configs/tasks/gated.yaml", 1, "boundless"),
+                                      rec("m", "configs/tasks/polarity.yaml", 2, "polarity"),
+                                      rec("m", "configs/tasks/gated.yaml", 6, "main2")])
+    assert {k: v["tag"] for k, v in rows.items()} == {"m": "main2", "m (polarity)": "polarity"}

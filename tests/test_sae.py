@@ -131,3 +131,14 @@ def test_sae_train_cli_rebuilds_the_experiment_saes(tiny_text_dir, cache, capsys
     spec = saelib.SAESpec(site="v", layer=1, width=16, k=2, steps=5, batch=32, lr=5e-4, seed=0,
                           n_task_prompts=1, n_neutral_tokens=128)
     assert saelib.cache_dir(lm, spec).name == info["cached_at"]
+
+
+def test_task_prompts_fill_the_polarity_trigger(lm):
+    """SAE training prompts from the polarity template are its 2x2 pairs: no rule keeps a raw {trigger}."""
+    from kvprobe.features.sae import task_instances, task_sequences
+
+    insts = task_instances("configs/tasks/polarity.yaml", 2, seed=0)
+    assert all(i.meta["varied"] == "trigger" for i in insts)
+    assert all("{trigger}" not in i.before_field + i.after_field for i in insts)
+    assert "varied" not in task_instances("configs/tasks/gated.yaml", 1, seed=0)[0].meta
+    assert len(task_sequences(lm, "configs/tasks/polarity.yaml", 2, seed=0)) == 4

@@ -487,6 +487,36 @@ def case_with_resid(ctx: Any, inst: Any, layers: Sequence[int]) -> tuple[Case, d
     return case, out
 
 
+def note_instances(ctx: Any) -> list[Any]:
+    """The pairs of a note-site experiment: the polarity 2x2 pairs when the template's rules name a
+    ``{trigger}`` (the field stays byte-identical and only the conclusion flips: the paper's App. D setting),
+    else the gated or generated pairs; held-out families checked."""
+    from kvprobe.probes.common import polarity_instances
+    from kvprobe.runner.experiment import default_instances
+    from kvprobe.tasks.gated import load_template
+    from kvprobe.tasks.polarity import TRIGGER
+
+    task = ctx.cfg.task
+    polarity = task.generator is None and any(TRIGGER in s.rule for s in load_template(task.template).scenarios)
+    insts = polarity_instances(ctx) if polarity else default_instances(ctx)
+    check_eval_families(ctx, insts)
+    return insts
+
+
+def check_eval_families(ctx: Any, insts: Sequence[Any]) -> None:
+    """Refuse held-out families the instances do not have (a misspelt or absent family would silently shrink
+    the held-out set) and a split that leaves no training or no held-out instance."""
+    families = sorted({i.family for i in insts})
+    missing = [f for f in ctx.params.eval_families if f not in families]
+    if missing:
+        raise KVProbeError(f"params.eval_families: {', '.join(missing)} not among this task's families "
+                           f"({', '.join(families)}); name families of task.template, or widen task.scenarios")
+    held = sum(i.family in ctx.params.eval_families for i in insts)
+    if held in (0, len(insts)):
+        raise KVProbeError(f"params.eval_families leaves {'no held-out' if held == 0 else 'no training'} instance "
+                           f"among {len(insts)}; raise task.n_instances or hold out fewer families")
+
+
 def note_row(ctx: Any, inst: Any, case: Case, notes: Sequence[int]) -> dict[str, Any]:
     """The row every note-site experiment (directions, sae) records: the shared case row, the chosen notes
     and their tokens, whether the instance's family is held out, which conclusion the old prompt holds
@@ -497,5 +527,7 @@ def note_row(ctx: Any, inst: Any, case: Case, notes: Sequence[int]) -> dict[str,
     return {**case_row(ctx, inst, case), "notes": list(notes),
             "note_tokens": [decode_token(ctx.lm.tokenizer, case.pair.ids_old[s]) for s in notes],
             "held_out": inst.family in ctx.params.eval_families,
-            "conclusion_old": 0 if inst.meta["direction"] == "allow_to_block" else 1,
+            # the old prompt concludes "allow" when the change goes to block (gated: allow_to_block; polarity:
+            # to_block)
+            "conclusion_old": 0 if inst.meta["direction"] in ("allow_to_block", "to_block") else 1,
             "flipping": (case.anchor.stale_ld > 0) != (case.anchor.oracle_ld > 0)}

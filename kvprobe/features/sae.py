@@ -121,13 +121,23 @@ def neutral_sequences(tokenizer: Any, n_tokens: int, window: int, skip_tokens: i
     return [ids[i:i + window] for i in range(0, len(ids) - window + 1, window)]
 
 
-def task_sequences(lm: Any, template_path: str, n: int, seed: int) -> list[list[int]]:
-    """Both prompts of ``n`` gated pairs generated with ``seed`` (full prompts, up to the answer prefix)."""
-    from kvprobe.tasks.gated import generate_instances, load_template, tokenize_pair
+def task_instances(template_path: str, n: int, seed: int) -> list[Any]:
+    """``n`` pairs of the template generated with ``seed``: its polarity 2x2 pairs when the rules name a
+    ``{trigger}`` (which the gated generator would leave unfilled), else gated pairs."""
+    from kvprobe.tasks.gated import generate_instances, load_template
+    from kvprobe.tasks.polarity import TRIGGER, generate_polarity_instances
 
-    insts = generate_instances(load_template(template_path), n, seed)
+    template = load_template(template_path)
+    polarity = any(TRIGGER in s.rule for s in template.scenarios)
+    return (generate_polarity_instances if polarity else generate_instances)(template, n, seed)
+
+
+def task_sequences(lm: Any, template_path: str, n: int, seed: int) -> list[list[int]]:
+    """Both prompts of ``n`` task pairs (:func:`task_instances`; full prompts, up to the answer prefix)."""
+    from kvprobe.tasks.gated import tokenize_pair
+
     seqs = []
-    for inst in insts:
+    for inst in task_instances(template_path, n, seed):
         pair = tokenize_pair(lm.tokenizer, inst, lm.has_chat_template)
         seqs += [pair.ids_old, pair.ids_new]
     return seqs

@@ -12,7 +12,7 @@ from typing import Any
 import matplotlib.pyplot as plt
 import numpy as np
 
-from kvprobe.figures.common import latest_per_model, save
+from kvprobe.figures.common import latest_per_model, save, task_template
 
 
 def _mean(stat: dict[str, Any] | None) -> float:
@@ -26,11 +26,25 @@ def _err(stat: dict[str, Any] | None) -> tuple[float, float]:
     return m - stat["ci_low"], stat["ci_high"] - m
 
 
+def widest_per_model_and_task(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per model and task template (the gated task unnamed, others in parentheses): the record with the most
+    sites, the newest among equals (records come sorted oldest first)."""
+    out: dict[str, dict[str, Any]] = {}
+    for rec in records:
+        stem = Path(task_template(rec)).stem
+        name = rec["model"]["name"] + ("" if stem == "gated" else f" ({stem})")
+        if name not in out or len(rec["summary"].get("sites", [])) >= len(out[name]["summary"].get("sites", [])):
+            out[name] = rec
+    return out
+
+
 def fig15b_directions(records: list[dict[str, Any]], path: Path) -> None:
     """Per model: (left) held-out recovery per site of the full-site patch, DAS, the difference-of-means
     direction and random directions; (middle) steering dose curves at the site where the difference of means
-    recovers most; (right) held-out decodability of the residual difference-of-means projection per layer."""
-    per_model = latest_per_model(records)
+    recovers most; (right) held-out decodability of the residual difference-of-means projection per layer.
+    One row per model and task: the record covering the most sites (the newest among equals), so a narrower
+    follow-up run (e.g. boundless DAS at one site) does not replace the main one."""
+    per_model = widest_per_model_and_task(records)
     fig, axes = plt.subplots(len(per_model), 3, figsize=(15, 3.6 * len(per_model)), squeeze=False)
     kinds = [("full", "full site", "tab:gray"), ("sub:das", "DAS", "tab:purple"), ("dir:dom", "diff. of means", "tab:blue"),
              ("dir:random", "random 1-D", "tab:orange")]

