@@ -494,10 +494,10 @@ def note_instances(ctx: Any) -> list[Any]:
     from kvprobe.probes.common import polarity_instances
     from kvprobe.runner.experiment import default_instances
     from kvprobe.tasks.gated import load_template
-    from kvprobe.tasks.polarity import TRIGGER
+    from kvprobe.tasks.polarity import is_polarity
 
     task = ctx.cfg.task
-    polarity = task.generator is None and any(TRIGGER in s.rule for s in load_template(task.template).scenarios)
+    polarity = task.generator is None and is_polarity(load_template(task.template))
     insts = polarity_instances(ctx) if polarity else default_instances(ctx)
     check_eval_families(ctx, insts)
     return insts

@@ -125,11 +125,10 @@ def task_instances(template_path: str, n: int, seed: int) -> list[Any]:
     """``n`` pairs of the template generated with ``seed``: its polarity 2x2 pairs when the rules name a
     ``{trigger}`` (which the gated generator would leave unfilled), else gated pairs."""
     from kvprobe.tasks.gated import generate_instances, load_template
-    from kvprobe.tasks.polarity import TRIGGER, generate_polarity_instances
+    from kvprobe.tasks.polarity import generate_polarity_instances, is_polarity
 
     template = load_template(template_path)
-    polarity = any(TRIGGER in s.rule for s in template.scenarios)
-    return (generate_polarity_instances if polarity else generate_instances)(template, n, seed)
+    return (generate_polarity_instances if is_polarity(template) else generate_instances)(template, n, seed)
 
 
 def task_sequences(lm: Any, template_path: str, n: int, seed: int) -> list[list[int]]:

@@ -23,6 +23,12 @@ from kvprobe.tasks.gated import GatedInstance, GatedTemplate, Scenario, build_in
 TRIGGER = "{trigger}"
 
 
+def is_polarity(template: GatedTemplate) -> bool:
+    """Whether the template's rules name a ``{trigger}`` (its pairs must come from this module: the gated
+    generator would leave the placeholder unfilled)."""
+    return any(TRIGGER in s.rule for s in template.scenarios)
+
+
 def build_polarity_instance(template: GatedTemplate, scenario: Scenario, index: int, seed: int,
                             n_filler: int, cell: int) -> GatedInstance:
     if scenario.rule.count(TRIGGER) != 1:
