@@ -210,7 +210,7 @@ def _layer_decodability(ctx: Context, train: list[dict[str, Any]], held: list[di
         for row in rows:
             _, _, feats = _held(ctx, row)
             for w, c in (("stale", row["conclusion_old"]), ("oracle", 1 - row["conclusion_old"])):
-                xs.append(feats[w].mean(1))  # [layers, d]
+                xs.append(feats[w].mean(1).float().cpu())  # [layers, d]; the labels are on the CPU
                 ys.append(c)
         return torch.stack(xs), torch.tensor(ys)
     if not train or not held:

@@ -93,11 +93,13 @@ def _prompt(case: Case, which: str) -> tuple[list[int], KVState]:
 
 
 def kv_site_acts(lm: Any, state: KVState, site: NoteSite, notes: Sequence[int]) -> torch.Tensor:
-    """V (or pre-RoPE K) of the site's KV head at ``notes``: ``[n_notes, head_dim]``."""
+    """V (or pre-RoPE K) of the site's KV head at ``notes``: ``[n_notes, head_dim]``, float32 on the CPU (site
+    activations live there; they move to the model's device only where they are written back)."""
     idx = torch.as_tensor(list(notes), dtype=torch.long)
     if site.kind == "v":
-        return state.values[site.layer][0, site.head].index_select(0, idx).float()
-    keys = state.keys[site.layer][:, site.head:site.head + 1].index_select(2, idx)
+        return state.values[site.layer][0, site.head].index_select(0, idx.to(state.values[site.layer].device)).float().cpu()
+    keys = state.keys[site.layer][:, site.head:site.head + 1]
+    keys = keys.index_select(2, idx.to(keys.device)).float().cpu()
     from kvprobe.kv.rope import rotate_keys
 
     pre = rotate_keys(keys, state.positions[idx], torch.zeros(len(idx), dtype=torch.long), _rope_info(lm, site.layer))
@@ -112,10 +114,10 @@ def site_acts(lm: Any, case: Case, site: NoteSite, notes: Sequence[int], which: 
     if site.kind != "resid":
         return kv_site_acts(lm, state, site, notes)
     if resid is not None:
-        return resid.float()
+        return resid.float().cpu()
     from kvprobe.patching.residuals import resid_stack
 
-    return resid_stack(lm, ids, list(notes), layers=[site.layer])[0]
+    return resid_stack(lm, ids, list(notes), layers=[site.layer])[0].float().cpu()
 
 
 # -- running the decision with the site set -------------------------------------------------------------------
@@ -148,7 +150,7 @@ def _put_slot_heads(t: torch.Tensor, head: int, notes: torch.Tensor, new: torch.
     """``t [batch, kv, slots, hd]`` with ``[head, notes]`` replaced by ``new [batch, n, hd]`` (differentiable)."""
     batch = new.shape[0]
     out = t.expand(batch, -1, -1, -1).clone()
-    out[:, head, notes] = new.to(out.dtype)
+    out[:, head, notes.to(out.device)] = new.to(device=out.device, dtype=out.dtype)
     return out
 
 
@@ -176,7 +178,7 @@ def patched_state(lm: Any, case: Case, site: NoteSite, notes: Sequence[int], act
         value = acts[:, i]
 
         def put(_site: Site, act: torch.Tensor, value: torch.Tensor = value) -> torch.Tensor:
-            return value.to(act.dtype).unsqueeze(1).expand_as(act)
+            return value.to(device=act.device, dtype=act.dtype).unsqueeze(1).expand_as(act)
 
         with hooked(lm, [Site("resid_post", layer)], put):
             col, _ = _forward(lm, torch.full((batch, 1), ids[s], dtype=torch.long), cur.positions[s:s + 1],
@@ -391,15 +393,15 @@ def reader_matrix(lm: Any, site: NoteSite) -> torch.Tensor:
         attn = layer.self_attn
         gain = layer.input_layernorm.weight.float()
         w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).float()
-        return w * gain[None, :]
+        return (w * gain[None, :]).cpu()
     from kvprobe.probes.heads import query_group
 
     attn = _layers(lm)[site.layer].self_attn
     d = spec.head_dim
     if site.kind == "v":
-        return torch.cat([attn.o_proj.weight[:, q * d:(q + 1) * d] for q in query_group(spec, site.head)]).float()
+        return torch.cat([attn.o_proj.weight[:, q * d:(q + 1) * d] for q in query_group(spec, site.head)]).float().cpu()
     # a key direction u is read as q . u = x . (W_q^T u): the transposed query projections of the group
-    return torch.cat([attn.q_proj.weight[q * d:(q + 1) * d].T for q in query_group(spec, site.head)]).float()
+    return torch.cat([attn.q_proj.weight[q * d:(q + 1) * d].T for q in query_group(spec, site.head)]).float().cpu()
 
 
 def read_gain(matrix: torch.Tensor, direction: torch.Tensor, n_random: int = 256, seed: int = 0) -> float:
@@ -473,7 +475,7 @@ def case_with_resid(ctx: Any, inst: Any, layers: Sequence[int]) -> tuple[Case, d
 
     def keep(site: Site, act: torch.Tensor) -> None:
         if act.shape[1] > 1:  # the prefills, not the one-token readouts
-            got.append((site.layer, act[0].detach().float().clone()))
+            got.append((site.layer, act[0].detach().float().cpu()))
 
     with hooked(ctx.lm, [Site("resid_post", layer) for layer in layers], keep):
         case = probe_case(ctx, inst)

@@ -101,9 +101,10 @@ def collect(lm: Any, sequences: Sequence[Sequence[int]], site: str, layer: int, 
     def keep(act: torch.Tensor) -> None:
         got["a"] = act[0].detach().float().cpu().clone()
 
+    device = next(lm.model.parameters()).device
     with on_site(lm, site, layer, keep):
         for ids in sequences:
-            lm.model(input_ids=torch.as_tensor([list(ids)]), use_cache=False, logits_to_keep=1)
+            lm.model(input_ids=torch.as_tensor([list(ids)], device=device), use_cache=False, logits_to_keep=1)
             out.append(got.pop("a")[skip_first:])
     return out
 
@@ -210,7 +211,8 @@ def build(lm: Any, spec: SAESpec, retrain: bool = False) -> tuple[Any, dict[str,
 
 @torch.no_grad()
 def encode(sae: Any, acts: torch.Tensor) -> torch.Tensor:
-    return sae.encode(acts.float())
+    """Feature activations, on the SAE's device (the CPU, where it was trained), whatever device ``acts`` is on."""
+    return sae.encode(acts.float().to(sae.W_dec.device))
 
 
 @torch.no_grad()
@@ -230,17 +232,17 @@ def reconstruction(lm: Any, sae: Any, site: str, layer: int, sequences: Sequence
         total, n = 0.0, 0
         with on_site(lm, site, layer, fn):
             for ids in sequences:
-                x = torch.as_tensor([list(ids)])
+                x = torch.as_tensor([list(ids)], device=next(lm.model.parameters()).device)
                 logits = lm.model(input_ids=x, use_cache=False).logits[0, :-1].float()
                 total += float(torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum"))
                 n += x.shape[1] - 1
         return total / n
 
     def keep_first(new: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-        return torch.cat([a[:, :skip_first], new[:, skip_first:].to(a.dtype)], dim=1)
+        return torch.cat([a[:, :skip_first], new[:, skip_first:].to(device=a.device, dtype=a.dtype)], dim=1)
 
     clean = ce(lambda a: None)
-    spliced = ce(lambda a: keep_first(sae.decode(sae.encode(a.float())), a))
+    spliced = ce(lambda a: keep_first(sae.decode(encode(sae, a)), a))
     zeroed = ce(lambda a: keep_first(torch.zeros_like(a), a))
     return {"explained_variance": ev, "fvu": 1.0 - ev, "n_tokens": int(acts.shape[0]),
             "dead_features": int((~alive).sum()), "dead_fraction": float((~alive).float().mean()),
@@ -294,4 +296,4 @@ def clamp_acts(sae: Any, acts: torch.Tensor, features: Sequence[int], targets: t
     idx = torch.as_tensor(list(features), dtype=torch.long)
     z = encode(sae, acts)[:, idx]
     delta = (targets.to(z.dtype)[None, :] - z) @ sae.W_dec[idx].float()
-    return acts + delta.to(acts.dtype)
+    return acts + delta.to(device=acts.device, dtype=acts.dtype)

@@ -24,8 +24,10 @@ from kvprobe.models.arch import arch_spec
 @torch.no_grad()
 def _reference_logits(model: torch.nn.Module, ids: torch.Tensor, start: int) -> torch.Tensor:
     """Last-token logits of one uncached forward of ``ids`` placed at ``start``."""
-    pos = torch.arange(start, start + ids.numel())[None]
-    return model(input_ids=ids[None], position_ids=pos, use_cache=False, logits_to_keep=1).logits[0, -1].float()
+    ids = ids.to(model.device)
+    pos = torch.arange(start, start + ids.numel(), device=model.device)[None]
+    return model(input_ids=ids[None], position_ids=pos, use_cache=False,
+                 logits_to_keep=1).logits[0, -1].float().cpu()  # on the CPU, as read_logits returns them
 
 
 @torch.no_grad()
@@ -33,7 +35,8 @@ def truncating_cache(model: torch.nn.Module, ids: torch.Tensor, start: int) -> A
     """The cache transformers builds by default for ``ids`` at ``start`` (sliding layers truncated)."""
     from transformers.cache_utils import DynamicCache
 
-    pos = torch.arange(start, start + ids.numel())[None]
+    ids = ids.to(model.device)
+    pos = torch.arange(start, start + ids.numel(), device=model.device)[None]
     out = model(input_ids=ids[None], position_ids=pos, cache=DynamicCache(config=model.config), use_cache=True,
                 logits_to_keep=1)
     return out.cache
@@ -77,9 +80,9 @@ def compare_window_policies(model: torch.nn.Module, chunk_len: int, offset: int,
                                                                           offset + chunk_len + suffix_len))[0]
 
     trunc = truncating_cache(model, ids, offset)
-    pos = torch.arange(offset + chunk_len, offset + chunk_len + suffix_len)[None]
-    tr_append = model(input_ids=suffix[None], position_ids=pos, cache=trunc, use_cache=True,
-                      logits_to_keep=1).logits[0, -1].float()
+    pos = torch.arange(offset + chunk_len, offset + chunk_len + suffix_len, device=model.device)[None]
+    tr_append = model(input_ids=suffix[None].to(model.device), position_ids=pos, cache=trunc, use_cache=True,
+                      logits_to_keep=1).logits[0, -1].float().cpu()
     trunc_slots = [int(trunc.layers[i].keys.shape[-2]) for i in sliding]
     trunc_bytes = sum(int(layer.keys.numel() + layer.values.numel()) * layer.keys.element_size()
                       for layer in trunc.layers)
