@@ -97,7 +97,8 @@ def kv_site_acts(lm: Any, state: KVState, site: NoteSite, notes: Sequence[int]) 
     activations live there; they move to the model's device only where they are written back)."""
     idx = torch.as_tensor(list(notes), dtype=torch.long)
     if site.kind == "v":
-        return state.values[site.layer][0, site.head].index_select(0, idx.to(state.values[site.layer].device)).float().cpu()
+        values = state.values[site.layer][0, site.head]
+        return values.index_select(0, idx.to(values.device)).float().cpu()
     keys = state.keys[site.layer][:, site.head:site.head + 1]
     keys = keys.index_select(2, idx.to(keys.device)).float().cpu()
     from kvprobe.kv.rope import rotate_keys

@@ -228,11 +228,13 @@ def reconstruction(lm: Any, sae: Any, site: str, layer: int, sequences: Sequence
     ev = 1.0 - float(((acts - rec) ** 2).sum() / ((acts - acts.mean(0)) ** 2).sum())
     alive = (z > 0).any(0)
 
+    device = next(lm.model.parameters()).device
+
     def ce(fn: Any) -> float:
         total, n = 0.0, 0
         with on_site(lm, site, layer, fn):
             for ids in sequences:
-                x = torch.as_tensor([list(ids)], device=next(lm.model.parameters()).device)
+                x = torch.as_tensor([list(ids)], device=device)
                 logits = lm.model(input_ids=x, use_cache=False).logits[0, :-1].float()
                 total += float(torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum"))
                 n += x.shape[1] - 1
