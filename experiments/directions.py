@@ -43,6 +43,7 @@ from kvprobe.features.directions import (Example, NoteSite, case_with_resid, dif
                                          examples_of, find_notes,
                                          held_out_lds, random_direction, read_gain, reader_matrix, subspace_cosine, train_das,
                                          note_row, variance_ratio)
+from kvprobe.claims import Claim, near
 from kvprobe.runner.config import hash_neutral
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.probes.summary import ci_cell, gate_summary, summarize_column
@@ -165,12 +166,40 @@ def _site_report(ctx: Context, site: NoteSite, train: list[dict[str, Any]], held
         per_ex.append((ex, row, lds))
     out["eval_seconds"] = round(time.perf_counter() - t0, 2)
     out["effects"] = _effects(ctx, per_ex, list(bases), p.n_random, p.alphas, gap)
+    ctx.scratch.setdefault("row_effects", {})[site.label] = _row_effects(per_ex, list(bases), p.n_random)
     w = reader_matrix(ctx.lm, site) if not (site.kind == "resid" and site.layer + 1 >= ctx.lm.spec.n_layers) else None
     clean = torch.cat([ex.base_acts for ex, _ in tr])
     dirs = {"dom": u, "random0": randoms["random0"], **{k: b[0] for k, b in bases.items()}}
     out["overlap"] = {k: {"read_gain": None if w is None else read_gain(w, v, seed=seed),
                           "variance_ratio": variance_ratio(clean, v)} for k, v in dirs.items()}
     return out
+
+
+def _recovery(ex: Example, row: dict[str, Any], value: float) -> float:
+    """0 = the example's base decision, 1 = its source's (the pair's other prompt)."""
+    a = row["stale_ld"], row["oracle_ld"]
+    base, source = (a[0], a[1]) if ex.base == "stale" else (-a[1], -a[0])
+    return (value - base) / (source - base)
+
+
+def _row_effects(per_ex: list, subspaces: list[str], n_random: int) -> dict[str, dict[str, float]]:
+    """Per held-out pair (by index): recovery of the full-site patch, the dom direction, random directions
+    (mean) and each subspace, averaged over the pair's two patch directions."""
+    acc: dict[str, dict[str, list[float]]] = {}
+    for ex, row, lds in per_ex:
+        vals = {"full": lds["full"], "dom": lds["dir:dom"],
+                "random": float(np.mean([lds[f"dir:random{j}"] for j in range(n_random)])),
+                **{k: lds[f"sub:{k}"] for k in subspaces}}
+        cell = acc.setdefault(str(row["index"]), {})
+        for k, v in vals.items():
+            cell.setdefault(k, []).append(_recovery(ex, row, v))
+    return {i: {k: float(np.mean(v)) for k, v in d.items()} for i, d in acc.items()}
+
+
+def claim_site(p: Params) -> NoteSite:
+    """The site the claims rows test, fixed by the config before any result: the residual at the first DAS
+    layer (where DAS is trained), else at the first layer."""
+    return NoteSite("resid", (p.das.layers if "resid" in p.das.kinds and p.das.layers else p.layers)[0])
 
 
 def _effects(ctx: Context, per_ex: list, subspaces: list[str], n_random: int, alphas: list[float],
@@ -183,14 +212,9 @@ def _effects(ctx: Context, per_ex: list, subspaces: list[str], n_random: int, al
     use = (lambda row: row["included"]) if any(row["included"] for _, row, _ in per_ex) else (lambda row: True)
     rows_i = [row for _, row, _ in per_ex if use(row)]
 
-    def recovery(ex: Example, row: dict[str, Any], value: float) -> float:
-        a = row["stale_ld"], row["oracle_ld"]
-        base, source = (a[0], a[1]) if ex.base == "stale" else (-a[1], -a[0])
-        return (value - base) / (source - base)
-
     def stat(get) -> dict[str, Any]:
         return {"iia": summarize_column(rows_f, [get(lds) > 0 for ex, row, lds in per_ex if row["flipping"]], seed),
-                "recovery": summarize_column(rows_i, [recovery(ex, row, get(lds)) for ex, row, lds in per_ex
+                "recovery": summarize_column(rows_i, [_recovery(ex, row, get(lds)) for ex, row, lds in per_ex
                                                       if use(row)], seed)}
 
     out: dict[str, Any] = {"recovery_over": "included" if rows_i and all(r["included"] for r in rows_i) else "all"}
@@ -244,6 +268,12 @@ def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
     for site in sites:
         out["sites"].append(_site_report(ctx, site, train, held, site.label in das_sites))
     out["das_seconds_total"] = round(sum(s["das"]["seconds"] for s in out["sites"] if "das" in s), 1)
+    site = claim_site(p)
+    if site.label in ctx.scratch.get("row_effects", {}):
+        out["row_measures"] = {"held_out_site": {
+            "site": site.label, "what": "recovery per held-out pair (mean of its two patch directions): full-site "
+            "patch, dom direction, random directions (mean), DAS subspace; the claims rows test these",
+            "rows": ctx.scratch["row_effects"][site.label]}}
     return out
 
 
@@ -295,6 +325,15 @@ EXPERIMENT = Experiment(name="directions", doc=__doc__, params=Params, run_insta
                                         "random 0.00 of full 0.61; Mistral 0.07 of 0.36 (App. D (2), polarity task)",
                                "polarity": "dom direction on the aggregator residual recovers 0.22-0.23 at Llama "
                                            "L12-14, ~39% of the full single-site patch, random 1-D 0.01 (App. D (2))"},
-                        # No row claim: the direction is fit on training families and its effects are measured on
-                        # held-out pairs in the summary; a row holds only the pair's notes and labels.
-                        claims=())
+                        # The direction is fit on the training families, so its per-pair effects exist only once
+                        # every row does: the summary's row_measures carry them to the claims (claim_site()).
+                        claims=tuple(c for stem in ("gated", "polarity") for c in (
+                            Claim("dom_vs_random", "the dom direction at the note residual recovers more than a "
+                                  "random direction (held-out pairs, paired)", "0.22-0.23 vs 0.01 (App. D (2), "
+                                  "polarity task)", "greater", "held_out_site.dom", "held_out_site.random",
+                                  paper_value=0.21, template=stem),
+                            near("dom_in_range", "the dom direction at the note residual recovers in the paper's "
+                                 "range (held-out pairs)", "0.22-0.23 (Llama L12-14, App. D (2), polarity task)",
+                                 "held_out_site.dom", 0.225, 0.225, template=stem, paper_range=(0.22, 0.23)),
+                            near("random_zero", "a random direction at the same site recovers ~0", "0.01 (App. D (2))",
+                                 "held_out_site.random", 0.0, 0.01, template=stem))))

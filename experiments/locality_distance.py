@@ -27,12 +27,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvprobe.cache_dir import project_path
 from kvprobe.patching.pairs import measure, prefill_pair
+from kvprobe.runner.config import hash_neutral
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.probes.common import Case, case_row
 from kvprobe.probes.summary import ci_cell, gate_summary, recovery_summary
 from kvprobe.stats.bootstrap import quantiles
-from kvprobe.tasks.generator import FORMATS, GATED_TEMPLATE, GeneratorFormats, GeneratorSplit, InfeasibleDistance, \
-    build_generated, load_words, template_family, tokenize_generated
+from kvprobe.tasks.generator import FORMATS, GATED_TEMPLATE, RULE_MOVABLE, GeneratorFormats, GeneratorSplit, \
+    InfeasibleDistance, RulePosition, build_generated, load_words, rule_position, template_family, tokenize_generated
 
 STATES = ("field_only", "full_downstream")
 
@@ -45,6 +46,26 @@ class Params(BaseModel):
     instances_per_cell: int = Field(4, ge=1, description="families per (format, distance) cell, paired across cells")
     split: GeneratorSplit = Field("test", description="generator split the families come from")
     counterfactual: float = Field(0.5, ge=0.0, le=1.0, description="probability of an exchanged-values rule")
+    rule_positions: list[RulePosition] = hash_neutral(
+        ["format"], min_length=1,
+        description="where the rule sits: 'format' (each format's own place), 'before_field', 'after_field'; "
+                    f"only {list(RULE_MOVABLE)} can move it, so the same format compares rule-first and field-first")
+
+
+def cell_positions(p: Params, fmt: str) -> list[str]:
+    """The distinct resolved rule positions ``fmt`` is measured at (formats that cannot move their rule: one)."""
+    out: list[str] = []
+    for want in p.rule_positions:
+        resolved = rule_position(fmt, want if fmt in RULE_MOVABLE else "format")
+        if resolved not in out:
+            out.append(resolved)
+    return out
+
+
+def cell_label(p: Params, fmt: str, position: str) -> str:
+    """A cell's format label: the bare format when every format keeps its own rule position, else the
+    format and where its rule sits (the figure takes the marker from the part before the comma)."""
+    return fmt if p.rule_positions == ["format"] else f"{fmt}, rule {position.replace('_', ' ')}"
 
 
 def make_instances(ctx: Context) -> list[Any]:
@@ -61,15 +82,17 @@ def make_instances(ctx: Context) -> list[Any]:
         template = load_template(GATED_TEMPLATE)
         fixed = [template_family(template.scenario(name)) for name in ctx.cfg.task.scenarios]
     insts, infeasible = [], []
-    for c, (fmt, dist) in enumerate((f, d) for f in p.formats for d in p.distances):
+    cells = [(f, r, d) for f in p.formats for r in cell_positions(p, f) for d in p.distances]
+    for c, (fmt, position, dist) in enumerate(cells):
         for j in range(p.instances_per_cell):
             try:
                 insts.append(build_generated(c * p.instances_per_cell + j, ctx.cfg.seed, p.split, fmt,
                                              tokenizer=lm.tokenizer, chat=lm.has_chat_template, distance=dist,
                                              counterfactual=0.0 if fixed else p.counterfactual, words=words,
-                                             draw=j, family=fixed[j % len(fixed)] if fixed else None))
+                                             draw=j, family=fixed[j % len(fixed)] if fixed else None,
+                                             rule_at=position))
             except InfeasibleDistance as exc:
-                infeasible.append({"format": fmt, "distance": dist, "reason": str(exc)})
+                infeasible.append({"format": cell_label(p, fmt, position), "distance": dist, "reason": str(exc)})
                 break
     ctx.scratch["infeasible"] = infeasible
     return insts
@@ -103,11 +126,14 @@ def summarize(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
     summary["effect_size"] = "oracle flip in nats of the action logit difference (per cell: median and mean)"
     summary["recovery"] = recovery_summary(rows, STATES, seed=ctx.cfg.seed)
     cells: dict[str, dict[str, Any]] = {}
-    for fmt in ctx.params.formats:
-        for dist in ctx.params.distances:
-            part = [r for r in rows if r["format"] == fmt and r["distance_target"] == dist]
-            if part:
-                cells.setdefault(fmt, {})[str(dist)] = _cell(part, ctx.cfg.seed)
+    p = ctx.params
+    for fmt in p.formats:
+        for position in cell_positions(p, fmt):
+            for dist in p.distances:
+                part = [r for r in rows if r["format"] == fmt and r.get("rule_at", position) == position
+                        and r["distance_target"] == dist]
+                if part:
+                    cells.setdefault(cell_label(p, fmt, position), {})[str(dist)] = _cell(part, ctx.cfg.seed)
     summary["cells"] = cells
     summary["infeasible"] = ctx.scratch.get("infeasible", [])
     summary["families"] = (f"template scenarios {list(ctx.cfg.task.scenarios)} (own rules, congruent)"

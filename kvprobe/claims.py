@@ -114,10 +114,26 @@ def _ours(stat: dict[str, Any]) -> dict[str, Any]:
     return {k: stat[k] for k in keep if k in stat}
 
 
+def claim_rows(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """A record's rows, each with the per-instance measures its summary computed after every row existed
+    (``summary.row_measures``: ``{name: {"rows": {index: {...}}}}``, e.g. a direction fit on the training
+    families and read on one held-out pair) under ``row[name]``."""
+    measures = (record.get("summary") or {}).get("row_measures") or {}
+    if not measures:
+        return list(record.get("rows", []))
+    out = []
+    for r in record.get("rows", []):
+        extra = {name: m["rows"][str(r.get("index"))] for name, m in measures.items()
+                 if str(r.get("index")) in m.get("rows", {})}
+        out.append({**r, **extra} if extra else r)
+    return out
+
+
 def evaluate(claim: Claim, record: dict[str, Any]) -> dict[str, Any]:
-    """The claim on one record's rows: ours with CI, the test and its p, the n needed (no verdict yet: that
-    waits for the BH q across all claims, :func:`claims_rows`)."""
-    rows = record.get("rows", [])
+    """The claim on one record's rows (with their summary-computed measures, :func:`claim_rows`): ours with
+    CI, the test and its p, the n needed (no verdict yet: that waits for the BH q across all claims,
+    :func:`claims_rows`)."""
+    rows = claim_rows(record)
     used = [r for r in rows if r.get("included")] if claim.gated else list(rows)
     out: dict[str, Any] = {"claim": claim.text, "key": claim.key, "kind": claim.kind, "paper": claim.paper,
                            "paper_value": claim.paper_value, "bounds": claim.bounds, "bound": claim.bound,

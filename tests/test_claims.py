@@ -144,14 +144,14 @@ def test_declared_claim_paths_resolve_on_committed_records(name):
     each path must resolve on some row of a committed record of the claim's template."""
     from pathlib import Path
 
-    from kvprobe.claims import _template_stem, get
+    from kvprobe.claims import _template_stem, claim_rows, get
     from kvprobe.runner.experiment import get_experiment
     from kvprobe.runner.records import load_records
 
     records = load_records(Path(__file__).parents[1] / "results", name)
     by_template = {}
     for rec in records:
-        by_template.setdefault(_template_stem(rec), []).extend(rec.get("rows", []))
+        by_template.setdefault(_template_stem(rec), []).extend(claim_rows(rec))
     claims = get_experiment(name).claims
     assert claims, f"{name} declares no claims"
     checked = 0
@@ -211,3 +211,21 @@ def test_star_step_averages_a_list_per_instance():
     row = {"turns": [{"cosine": 0.9, "agree": True}, {"cosine": 1.0, "agree": False}, {"x": 1}]}
     assert abs(get(row, "turns.*.cosine") - 0.95) < 1e-12 and get(row, "turns.*.agree") == 0.5
     assert get(row, "turns.*.missing") is None and get({"turns": 3}, "turns.*.cosine") is None
+
+
+def test_summary_row_measures_reach_the_claims_by_index():
+    """A measure a summary computes per instance after every row exists (a direction fit on training families,
+    read on one held-out pair) joins its row by index; rows without one are left out of that claim."""
+    from kvprobe.claims import claim_rows
+
+    rows = _rows(24, scenarios=6)
+    rec = _record("e", rows)
+    held = {str(i): {"dom": 0.3 + 0.01 * (i % 3), "random": 0.01 * (i % 2)} for i in range(12, 24)}
+    rec["summary"] = {"row_measures": {"site": {"what": "x", "rows": held}}}
+    merged = claim_rows(rec)
+    assert [r.get("site") for r in merged[:12]] == [None] * 12 and merged[12]["site"] == held["12"]
+    assert "site" not in rows[12]  # the record's own rows are not modified
+    res = evaluate(Claim("g", "dom > random", "0.22 vs 0.01", "greater", "site.dom", "site.random",
+                         paper_value=0.21), rec)
+    assert res["n"] == 12 and res["status"] == "tested" and res["p"] < 1e-6
+    assert abs(res["ours"]["mean"] - np.mean([v["dom"] - v["random"] for v in held.values()])) < 1e-12

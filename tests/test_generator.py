@@ -272,3 +272,26 @@ def test_seed_spread_scores_every_seed_on_the_same_heldout_pairs(tiny_generator_
     other = dict(cards[1], recipe={**cards[1]["recipe"], "steps": 4})
     with pytest.raises(KVProbeError, match="differ in \\['steps'\\]"):
         check_same_recipe([cards[0], other])
+
+
+def test_rule_moves_within_a_format_and_nothing_else_changes():
+    """rule_at moves only the rule: the field line, notes, request and question are the same text, and the
+    rule lands on the asked side of the field; formats that cannot move it refuse with a clear message."""
+    for fmt in ("document_qa", "user_turn"):
+        first = build_generated(3, 0, "test", fmt, rule_at="before_field")
+        last = build_generated(3, 0, "test", fmt, rule_at="after_field")
+        own = build_generated(3, 0, "test", fmt)
+        rule = first.before_field.split("Policy: ")[1].split("\n")[0]
+        assert rule in first.before_field and rule not in first.after_field
+        assert rule in last.after_field and rule not in last.before_field
+        assert first.meta["rule_at"] == "before_field" and last.meta["rule_at"] == "after_field"
+        assert own.meta["rule_at"] == {"document_qa": "after_field", "user_turn": "before_field"}[fmt]
+        strip = lambda i: (i.before_field + i.after_field).replace(f"Policy: {rule}", "").replace(rule, "")  # noqa: E731
+        words = lambda t: sorted(t.split())  # noqa: E731
+        assert words(strip(first)) == words(strip(last))
+        assert (first.old_action, first.new_action, first.family) == (last.old_action, last.new_action, last.family)
+    assert build_generated(3, 0, "test", "system_user", rule_at="before_field").meta["rule_at"] == "before_field"
+    with pytest.raises(KVProbeError, match="keeps its rule before field"):
+        build_generated(3, 0, "test", "system_user", rule_at="after_field")
+    with pytest.raises(KVProbeError, match="rule_at must be one of"):
+        build_generated(3, 0, "test", "user_turn", rule_at="middle")

@@ -32,3 +32,24 @@ def test_locality_distance_cells_and_figure(tiny_generator_dir, tmp_path):  # no
     assert "inclusion_rule" in summary and "oracle flip" in summary["effect_size"]
     fig_locality_distance([record], tmp_path / "fig.png")
     assert (tmp_path / "fig.png").stat().st_size > 1000
+
+
+def test_rule_positions_split_cells_by_where_the_rule_sits_in_the_same_format(tiny_generator_dir, tmp_path):  # noqa: F811
+    """The same-format test: document_qa and user_turn each measured with the rule before and after the
+    field, on the same families; a format that cannot move its rule is measured once, at its own place."""
+    cfg = load_config("configs/locality_distance.yaml", {
+        "model": str(tiny_generator_dir), "output_dir": str(tmp_path),
+        "params": {"distances": [120], "formats": ["document_qa", "user_turn", "system_user"],
+                   "instances_per_cell": 2, "rule_positions": ["before_field", "after_field"]}})
+    _, record = run_experiment(cfg, progress=False)
+    cells = record["summary"]["cells"]
+    assert set(cells) == {"document_qa, rule before field", "document_qa, rule after field",
+                          "user_turn, rule before field", "user_turn, rule after field",
+                          "system_user, rule before field"}
+    rows = record["rows"]
+    assert len(rows) == 10
+    by_draw = {}
+    for r in rows:
+        by_draw.setdefault(r["index"] % 2, set()).add(r["family"])
+    assert all(len(f) == 1 for f in by_draw.values())  # paired: one family per draw across all cells
+    assert all(c["120"]["n"] == 2 for c in cells.values())

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvprobe.errors import KVProbeError
 from kvprobe.models.registry import DEFAULT_MODEL
-from kvprobe.tasks.generator import GeneratorFormats, GeneratorSplit
+from kvprobe.tasks.generator import GeneratorFormats, GeneratorSplit, RulePosition
 
 
 def hash_neutral(default: Any, **kwargs: Any) -> Any:
@@ -50,6 +50,8 @@ class GeneratorTask(Strict):
     formats: GeneratorFormats = Field(default_factory=lambda: ["system_user", "tool_call"], min_length=1)
     distance: int | None = Field(None, ge=1, description="target field-to-decision tokens; None: 25 note lines")
     counterfactual: float = Field(0.5, ge=0.0, le=1.0, description="probability of an exchanged-values rule")
+    rule_at: RulePosition = hash_neutral("format", description="'format' (each format's own place), or "
+                                         "'before_field' / 'after_field' (moves the rule in user_turn / document_qa)")
     words: str = "kvprobe/tasks/data/scenario_words.yaml"
 
 

@@ -93,7 +93,7 @@ def default_instances(ctx: Context) -> list[Any]:
         words, lm = load_words(project_path(gen.words)), ctx.lm
         return [build_generated(i, ctx.cfg.seed, gen.split, gen.formats[i % len(gen.formats)],
                                 tokenizer=lm.tokenizer, chat=lm.has_chat_template, distance=gen.distance,
-                                counterfactual=gen.counterfactual, words=words)
+                                counterfactual=gen.counterfactual, words=words, rule_at=gen.rule_at)
                 for i in range(ctx.cfg.task.n_instances)]
 
     ctx.template = load_template(ctx.cfg.task.template)

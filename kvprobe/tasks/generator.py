@@ -54,6 +54,11 @@ WORDS_FILE = Path(__file__).parent / "data" / "scenario_words.yaml"
 GATED_TEMPLATE = "configs/tasks/gated.yaml"
 SPLITS = ("train", "validation", "test")
 FORMATS = ("system_user", "user_turn", "document_qa", "few_shot", "tool_call", "gated_template")
+RULE_POSITIONS = ("format", "before_field", "after_field")
+"""Where the rule sits: the format's own place, or moved before / after the field (the same-format test)."""
+FORMAT_RULE_POSITION = {"system_user": "before_field", "user_turn": "before_field", "document_qa": "after_field",
+                        "few_shot": "before_field", "tool_call": "before_field", "gated_template": "after_field"}
+RULE_MOVABLE = ("user_turn", "document_qa")
 FORMAT_SPLITS: dict[str, tuple[str, ...]] = {"train": ("gated_template", "user_turn", "document_qa"),
                                              "validation": ("few_shot",),
                                              "test": ("system_user", "tool_call")}
@@ -72,7 +77,29 @@ def known_split(split: str) -> str:
     return split
 
 
+def known_rule_position(position: str) -> str:
+    """Config validator: ``position`` is one of :data:`RULE_POSITIONS`."""
+    if position not in RULE_POSITIONS:
+        raise ValueError(f"rule position must be one of {list(RULE_POSITIONS)}")
+    return position
+
+
+def rule_position(fmt: str, rule_at: str) -> str:
+    """The rule's resolved position in ``fmt`` ('before_field' / 'after_field'); only the formats in
+    :data:`RULE_MOVABLE` can move it."""
+    if rule_at not in RULE_POSITIONS:
+        raise KVProbeError(f"rule_at must be one of {list(RULE_POSITIONS)}, got '{rule_at}'")
+    own = FORMAT_RULE_POSITION[fmt]
+    if rule_at in ("format", own):
+        return own
+    if fmt not in RULE_MOVABLE:
+        raise KVProbeError(f"format '{fmt}' keeps its rule {own.replace('_', ' ')}; rule_at='{rule_at}' needs one "
+                           f"of {list(RULE_MOVABLE)} (or rule_at='format')")
+    return rule_at
+
+
 GeneratorFormats = Annotated[list[str], AfterValidator(known_formats)]
+RulePosition = Annotated[str, AfterValidator(known_rule_position)]
 GeneratorSplit = Annotated[str, AfterValidator(known_split)]
 
 
@@ -273,6 +300,7 @@ class _Draw:
     question: str
     shots: tuple[tuple[str, str, str], ...]  # few-shot (ref, value, action)
     extra: dict[str, Any]
+    rule_at: str = "format"  # resolved by rule_position(); moves the rule only in RULE_MOVABLE formats
 
 
 def _note_line(fmt: str, note: str) -> str:
@@ -288,10 +316,18 @@ def _body(fmt: str, d: _Draw, field_text: str, notes: list[str]) -> tuple[str, s
         system = f"You are an operations assistant. Follow this policy exactly.\nPolicy: {d.rule_text}"
         return system, f"{f}: {field_text}\nreference: {d.ref}\n{note_block}\n{d.request} {d.question}"
     if fmt == "user_turn":
+        if d.rule_at == "after_field":  # same format, the rule moved after the record (field first)
+            return "", (f"You are an operations assistant. Apply the policy to the record below.\n\n"
+                        f"Record {d.ref}\n{f}: {field_text}\n{note_block}Policy: {d.rule_text}\n\n"
+                        f"{d.request} {d.question}")
         return "", (f"You are an operations assistant. Apply the policy to the record below.\n"
                     f"Policy: {d.rule_text}\n\nRecord {d.ref}\n{f}: {field_text}\n{note_block}\n"
                     f"{d.request} {d.question}")
     if fmt == "document_qa":
+        if d.rule_at == "before_field":  # same format, the rule moved into the document ahead of the field
+            return "", (f"Read the document, then answer the question.\n\nDOCUMENT {d.ref}\n"
+                        f"Title: {d.family.subject} file\nPolicy: {d.rule_text}\n{f}: {field_text}\n{note_block}"
+                        f"END OF DOCUMENT\n\nQuestion: {d.request} {d.question}")
         return "", (f"Read the document, then answer the question.\n\nDOCUMENT {d.ref}\n"
                     f"Title: {d.family.subject} file\n{f}: {field_text}\n{note_block}END OF DOCUMENT\n\n"
                     f"Question: {d.rule_text} {d.request} {d.question}")
@@ -354,7 +390,8 @@ def _gated_template() -> Any:
 def build_generated(index: int, seed: int, split: str, fmt: str, *, tokenizer: Any = None, chat: bool = False,
                     distance: int | None = None, counterfactual: float = 0.5, correction: float = 0.0,
                     reasoning: float = 0.0, family: Family | None = None, words: Words | None = None,
-                    draw: int | None = None, n_notes: int | None = None) -> GeneratedInstance:
+                    draw: int | None = None, n_notes: int | None = None, rule_at: str = "format"
+                    ) -> GeneratedInstance:
     """Render one instance of ``fmt`` from a family of ``split`` (drawn from ``seed`` and ``index``).
 
     ``distance``: target field-to-decision tokens (needs ``tokenizer``); None = ``n_notes`` note lines
@@ -362,10 +399,13 @@ def build_generated(index: int, seed: int, split: str, fmt: str, *, tokenizer: A
     that the rule's values are exchanged, that the decisive value is a late correction of an earlier one,
     and that the answer prefix asks for a reasoning chain before the decision word. ``draw`` (default
     ``index``) keys the random choices: instances with the same ``draw`` share family, values, direction,
-    rule and notes, so the cells of a format x distance grid can be paired.
+    rule and notes, so the cells of a format x distance grid can be paired. ``rule_at``: 'format' (the
+    format's own place) or 'before_field' / 'after_field', which moves only the rule (user_turn and
+    document_qa; the rest of the prompt is unchanged).
     """
     if fmt not in FORMATS:
         raise KVProbeError(f"format '{fmt}' is not one of {', '.join(FORMATS)}")
+    position = rule_position(fmt, rule_at)
     if distance is not None and tokenizer is None:
         raise KVProbeError("a target distance needs the tokenizer that will read the prompt")
     words = words or load_words()
@@ -396,7 +436,7 @@ def build_generated(index: int, seed: int, split: str, fmt: str, *, tokenizer: A
         clean = [r for r in t.filler_rules if _clean_line(r, fam)]
         extra = {"template": t, "filler_rules": rng.sample(clean, min(20, len(clean))),
                  "customer": rng.choice(t.customers), "channel": rng.choice(t.channels), "agent": rng.randint(2, 9)}
-    draw = _Draw(fam, rule_text, ref, request, question, shots, extra)
+    draw = _Draw(fam, rule_text, ref, request, question, shots, extra, position)
     is_correction = rng.random() < correction
     early_value = rng.choice([permit_value, block_value])
     is_reasoning = rng.random() < reasoning
@@ -423,7 +463,7 @@ def build_generated(index: int, seed: int, split: str, fmt: str, *, tokenizer: A
         if decision_at < 0:
             raise KVProbeError(f"format '{fmt}': the decision prompt does not follow the field")
         meta = {"format": fmt, "split": split, "counterfactual": is_cf, "correction": is_correction,
-                "reasoning": is_reasoning, "n_notes": n_notes, "distance_target": distance,
+                "reasoning": is_reasoning, "n_notes": n_notes, "distance_target": distance, "rule_at": position,
                 "value_pair": list(fam.values), "action_pair": list(fam.actions)}
         if is_correction:
             meta["early_value"] = early_value
@@ -488,10 +528,11 @@ def _fit_distance(assemble: Any, tokenizer: Any, chat: bool, target: int, pool: 
 def generate(n: int, seed: int, split: str, formats: Sequence[str] | None = None, *, tokenizer: Any = None,
              chat: bool = False, distance: int | None = None, counterfactual: float = 0.5,
              correction: float = 0.0, reasoning: float = 0.0, start: int = 0,
-             words: Words | None = None) -> list[GeneratedInstance]:
+             words: Words | None = None, rule_at: str = "format") -> list[GeneratedInstance]:
     """``n`` instances (indices ``start``..) of families from ``split``, cycling over ``formats``
     (default: the split's own formats, :data:`FORMAT_SPLITS`). Deterministic given the arguments."""
     fmts = tuple(formats) if formats else FORMAT_SPLITS[split]
     return [build_generated(i, seed, split, fmts[i % len(fmts)], tokenizer=tokenizer, chat=chat, distance=distance,
-                            counterfactual=counterfactual, correction=correction, reasoning=reasoning, words=words)
+                            counterfactual=counterfactual, correction=correction, reasoning=reasoning, words=words,
+                            rule_at=rule_at)
             for i in range(start, start + n)]
