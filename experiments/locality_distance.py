@@ -13,6 +13,12 @@ mean), the inclusion rate under the gate (``gate.min_flip``; recoveries are mean
 and field-only / full-downstream recovery with cluster-bootstrap CIs by family. Cells a format cannot reach
 (its fixed text after the field is longer than the distance) are listed as infeasible, not measured.
 
+``params.rule_positions`` adds the same-format test: user_turn and document_qa are rendered with the rule
+before and after the field, nothing else changed (same families, notes, question), and each position is its
+own cell (``configs/locality_rule_position.yaml``). Where the rule precedes the field, the field's own tokens
+can read it, so field-only recovery there cannot tell "the decision reads the raw field" from "the field token
+is the note"; a model that read the raw field at the decision would recover with the rule on either side.
+
 Where our setting differs: 135M-0.5B models, generated English scenarios, the decision read as the first
 token of each action word after ``Decision:``; families come from the generator's test split unless
 ``params.split`` says otherwise, or are the fixed template's hand-written scenarios when ``task.scenarios``
@@ -143,15 +149,16 @@ def summarize(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def table(summary: dict[str, Any]) -> str:
+    w = max([16] + [len(f) + 2 for f in summary["cells"]] + [len(x["format"]) + 2 for x in summary["infeasible"]])
     lines = [f"inclusion rule: {summary['inclusion_rule']}",
-             f"{'format':<16}{'dist':>6}{'tokens':>8}{'incl':>7}{'flip med':>10}   field-only recovery (included)"]
+             f"{'format':<{w}}{'dist':>6}{'tokens':>8}{'incl':>7}{'flip med':>10}   field-only recovery (included)"]
     for fmt, by_d in summary["cells"].items():
         for d, c in by_d.items():
-            lines.append(f"{fmt:<16}{d:>6}{c['distance_tokens_mean']:>8.0f}{c['n_included']:>4}/{c['n']:<2}"
+            lines.append(f"{fmt:<{w}}{d:>6}{c['distance_tokens_mean']:>8.0f}{c['n_included']:>4}/{c['n']:<2}"
                          f"{c['oracle_flip'].get('median', float('nan')):>10.2f}   "
                          f"{ci_cell(c['recovery']['field_only']['gated'])}")
     for x in summary["infeasible"]:
-        lines.append(f"{x['format']:<16}{x['distance']:>6}  infeasible")
+        lines.append(f"{x['format']:<{w}}{x['distance']:>6}  infeasible")
     return "\n".join(lines)
 
 
