@@ -43,10 +43,11 @@ def _cmd_models(args: argparse.Namespace) -> int:
     from kvprobe.models.registry import REGISTRY, resolve
 
     resolve(next(iter(REGISTRY)))  # registers the organisms shipped with kvprobe
-    print(f"{'alias':<30}{'here':<6}source")
+    w = max(30, max(len(a) for a in REGISTRY) + 2)
+    print(f"{'alias':<{w}}{'here':<6}source")
     for alias, entry in REGISTRY.items():
         here = "yes" if weights_available(entry) else "no"
-        print(f"{alias:<30}{here:<6}{entry.describe_source()}" + (f"  ({entry.note})" if entry.note else ""))
+        print(f"{alias:<{w}}{here:<6}{entry.describe_source()}" + (f"  ({entry.note})" if entry.note else ""))
     print("\nAny local model directory also works as --model PATH (a config.json alone builds random weights).")
     return 0
 
