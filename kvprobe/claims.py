@@ -141,11 +141,14 @@ def evaluate(claim: Claim, record: dict[str, Any]) -> dict[str, Any]:
                            "n": 0, "n_needed": None, "test": None, "ours": {}, "notes": [],
                            "paper_point": claim.paper_value}
     b_path = claim.b if isinstance(claim.b, str) else None
+    passed = len(used)
     used = [r for r in used if get(r, claim.a) is not None and (b_path is None or get(r, b_path) is not None)]
     out["n"] = len(used)
     if not used:
         out["status"] = "empty"
-        out["notes"].append("inclusion filter empty" if claim.gated and rows else "no rows carry this measure")
+        # A record older than the measure (e.g. before summaries carried row_measures) is not an empty filter.
+        out["notes"].append("inclusion filter empty" if claim.gated and rows and not passed
+                            else "no rows carry this measure (record predates it?)")
         return out
     clusters = _clusters(used)
     a = [get(r, claim.a) for r in used]
