@@ -166,7 +166,8 @@ def _site_report(ctx: Context, site: NoteSite, train: list[dict[str, Any]], held
         per_ex.append((ex, row, lds))
     out["eval_seconds"] = round(time.perf_counter() - t0, 2)
     out["effects"] = _effects(ctx, per_ex, list(bases), p.n_random, p.alphas, gap)
-    ctx.scratch.setdefault("row_effects", {})[site.label] = _row_effects(per_ex, list(bases), p.n_random)
+    if site.label == claim_site(p).label:  # the claims rows read one site, fixed by the config
+        ctx.scratch.setdefault("row_effects", {})[site.label] = _row_effects(per_ex, list(bases), p.n_random)
     w = reader_matrix(ctx.lm, site) if not (site.kind == "resid" and site.layer + 1 >= ctx.lm.spec.n_layers) else None
     clean = torch.cat([ex.base_acts for ex, _ in tr])
     dirs = {"dom": u, "random0": randoms["random0"], **{k: b[0] for k, b in bases.items()}}
