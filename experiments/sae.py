@@ -137,9 +137,9 @@ def _auc_report(ctx: Context, sae: Any, site: str, train: list[dict[str, Any]], 
 
 
 def _clamp_report(ctx: Context, sae: Any, ranked: list[int], train: list[dict[str, Any]],
-                  held: list[dict[str, Any]]) -> dict[str, Any]:
+                  held: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, dict[str, float]]]:
     """Recovery / flip of held-out pairs when the top-k (and k random live) features at the notes are set to
-    the other conclusion's training mean."""
+    the other conclusion's training mean; and per held-out pair (by index) its topK / randomK recovery."""
     p, layer, seed = ctx.params, ctx.params.layer, ctx.cfg.seed
     acts, labels = _prompts(ctx, train, "resid")
     z = torch.cat([saelib.encode(sae, a) for a in acts])
@@ -186,8 +186,7 @@ def _clamp_report(ctx: Context, sae: Any, ranked: list[int], train: list[dict[st
         for k in p.clamp_k:
             cell.setdefault(f"top{k}", []).append(v[f"top:{k}"])
             cell.setdefault(f"random{k}", []).append(float(np.mean([v[f"random:{k}:{j}"] for j in range(p.n_random)])))
-    ctx.scratch["clamp_rows"] = {i: {k: float(np.mean(x)) for k, x in d.items()} for i, d in per_row.items()}
-    return out
+    return out, {i: {k: float(np.mean(x)) for k, x in d.items()} for i, d in per_row.items()}
 
 
 def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -212,11 +211,11 @@ def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
         rep["top_tokens"] = {str(f): v for f, v in saelib.top_tokens(ctx.lm.tokenizer, eval_seqs + task, acts + tacts,
                                                                     sae, top).items()}
         if site == "resid" and held:
-            rep["clamping"] = _clamp_report(ctx, sae, rep["features"]["ranked"], train, held)
+            rep["clamping"], clamp_rows = _clamp_report(ctx, sae, rep["features"]["ranked"], train, held)
             out["row_measures"] = {"held_out_clamp": {
                 "what": "recovery per held-out pair (mean of its two prompts) when the top-k conclusion features of "
                         "the residual SAE (topK) or k random live features (randomK, mean over draws) are clamped "
-                        "at the notes; the claims rows test these", "rows": ctx.scratch["clamp_rows"]}}
+                        "at the notes; the claims rows test these", "rows": clamp_rows}}
         out["saes"][site] = rep
     return out
 
