@@ -38,8 +38,8 @@ from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.probes.common import Case, case_row
 from kvprobe.probes.summary import ci_cell, gate_summary, recovery_summary
 from kvprobe.stats.bootstrap import quantiles
-from kvprobe.tasks.generator import FORMATS, GATED_TEMPLATE, RULE_MOVABLE, GeneratorFormats, GeneratorSplit, \
-    InfeasibleDistance, RulePosition, build_generated, load_words, rule_position, template_family, tokenize_generated
+from kvprobe.tasks.generator import FORMATS, RULE_MOVABLE, GeneratorFormats, GeneratorSplit, InfeasibleDistance, \
+    RulePosition, build_generated, load_words, rule_position, template_families, tokenize_generated
 
 STATES = ("field_only", "full_downstream")
 
@@ -81,12 +81,7 @@ def make_instances(ctx: Context) -> list[Any]:
     (draw j takes the j-th, cycling; their own rules, never counterfactual) in the generator's formats."""
     p, lm = ctx.params, ctx.lm
     words = load_words(project_path(ctx.cfg.task.template))
-    fixed = None
-    if ctx.cfg.task.scenarios:
-        from kvprobe.tasks.gated import load_template
-
-        template = load_template(GATED_TEMPLATE)
-        fixed = [template_family(template.scenario(name)) for name in ctx.cfg.task.scenarios]
+    fixed = template_families(ctx.cfg.task.scenarios)
     insts, infeasible = [], []
     cells = [(f, r, d) for f in p.formats for r in cell_positions(p, f) for d in p.distances]
     for c, (fmt, position, dist) in enumerate(cells):

@@ -148,3 +148,20 @@ def test_generator_task_runs_a_template_free_probe_and_is_refused_where_the_temp
     assert main(["run", "configs/edit_frontier.yaml", *gen, "--set", "params.selective_k=[1]"]) == 0
     rows = json.loads(next(tmp_path.glob("edit_frontier/*/*.json")).read_text())["rows"]
     assert all(r["erratum_text"].startswith("Correction: ") for r in rows)
+
+
+def test_generator_renders_the_templates_own_scenarios_when_named(tiny_generator_dir, tmp_path):
+    """task.scenarios with task.generator: the named hand-written scenarios (their own rules, never
+    counterfactual) in the generator's formats, cycling; the record's task says so."""
+    from kvprobe.runner.cli import main
+    from kvprobe.runner.records import task_stem
+
+    names = ["order_status", "refund_window"]
+    assert main(["run", "configs/locality.yaml", "--set", "task.generator={formats: [system_user]}",
+                 "--set", f"task.scenarios=[{', '.join(names)}]", "--set", "task.n_instances=3",
+                 "--set", "inclusion.min_flip=0", "--quiet", "--model", str(tiny_generator_dir),
+                 "--output-dir", str(tmp_path)]) == 0
+    rec = json.loads(next(tmp_path.glob("locality/*/*.json")).read_text())
+    assert [r["field"] for r in rec["rows"]] == ["order_status", "purchase_age", "order_status"]
+    assert not any(r["counterfactual"] for r in rec["rows"])
+    assert task_stem(rec) == "generated_template_system_user"

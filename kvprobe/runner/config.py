@@ -44,12 +44,14 @@ class Strict(BaseModel):
 
 class GeneratorTask(Strict):
     """Instances from the procedural scenario generator (kvprobe.tasks.generator) instead of the template:
-    instance i takes family i of ``split`` in format ``formats[i % len(formats)]``."""
+    instance i takes family i of ``split`` (or, with ``task.scenarios``, that list's scenario i, cycling) in
+    format ``formats[i % len(formats)]``."""
 
     split: GeneratorSplit = Field("test", description="generator split the families come from")
     formats: GeneratorFormats = Field(default_factory=lambda: ["system_user", "tool_call"], min_length=1)
     distance: int | None = Field(None, ge=1, description="target field-to-decision tokens; None: 25 note lines")
-    counterfactual: float = Field(0.5, ge=0.0, le=1.0, description="probability of an exchanged-values rule")
+    counterfactual: float = Field(0.5, ge=0.0, le=1.0, description="probability of an exchanged-values rule "
+                                                      "(0 when task.scenarios names template scenarios)")
     rule_at: RulePosition = hash_neutral("format", description="'format' (each format's own place), or "
                                          "'before_field' / 'after_field' (moves the rule in user_turn / document_qa)")
     words: str = "kvprobe/tasks/data/scenario_words.yaml"
@@ -57,7 +59,8 @@ class GeneratorTask(Strict):
 
 class TaskConfig(Strict):
     template: str = "configs/tasks/gated.yaml"
-    scenarios: list[str] | None = None  # None: every scenario of the template
+    # None: every scenario of the template; with task.generator, the template scenarios rendered in its formats
+    scenarios: list[str] | None = None
     n_instances: int = Field(24, ge=1)
     n_filler: int = Field(24, ge=20, description="neutral filler rules between rule and decision (paper: >= 20)")
     generator: GeneratorTask | None = hash_neutral(None, description="generated instances instead of the template")

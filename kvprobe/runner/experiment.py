@@ -88,12 +88,16 @@ def default_instances(ctx: Context) -> list[Any]:
     gen = ctx.cfg.task.generator
     if gen is not None:
         from kvprobe.cache_dir import project_path
-        from kvprobe.tasks.generator import build_generated, load_words
+        from kvprobe.tasks.generator import build_generated, load_words, template_families
 
         words, lm = load_words(project_path(gen.words)), ctx.lm
+        # task.scenarios: the template's hand-written scenarios (their own rules, never counterfactual) in the
+        # generator's formats; instance i takes scenario i, cycling.
+        fixed = template_families(ctx.cfg.task.scenarios)
         return [build_generated(i, ctx.cfg.seed, gen.split, gen.formats[i % len(gen.formats)],
                                 tokenizer=lm.tokenizer, chat=lm.has_chat_template, distance=gen.distance,
-                                counterfactual=gen.counterfactual, words=words, rule_at=gen.rule_at)
+                                counterfactual=0.0 if fixed else gen.counterfactual, words=words,
+                                family=fixed[i % len(fixed)] if fixed else None, rule_at=gen.rule_at)
                 for i in range(ctx.cfg.task.n_instances)]
 
     ctx.template = load_template(ctx.cfg.task.template)

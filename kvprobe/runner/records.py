@@ -82,11 +82,13 @@ def model_slug(name: str) -> str:
 
 def task_id(record: dict[str, Any]) -> str:
     """The task a record ran on: its template path as written in the config, or, for generated instances
-    (``task.generator``), ``generator:<split>:<format+format>`` so they never count as the template's."""
+    (``task.generator``), ``generator:<split>:<format+format>`` so they never count as the template's; the
+    split reads ``template`` when the generator renders the template's own scenarios (``task.scenarios``)."""
     task = record["config"]["task"]
     gen = task.get("generator")
     if gen:
-        return f"generator:{gen['split']}:{'+'.join(gen['formats'])}"
+        split = "template" if task.get("scenarios") else gen["split"]
+        return f"generator:{split}:{'+'.join(gen['formats'])}"
     return task["template"]
 
 

@@ -258,6 +258,17 @@ def template_family(scenario: Any) -> Family:
                   (scenario.allow_action, scenario.block_action), rule, "template")
 
 
+def template_families(names: Sequence[str] | None) -> list[Family] | None:
+    """The named hand-written scenarios of ``configs/tasks/gated.yaml`` as families (None: none named), so
+    the generator's formats can render the scenarios a pretrained model gates on (``task.scenarios``)."""
+    if not names:
+        return None
+    from kvprobe.tasks.gated import load_template
+
+    template = load_template(GATED_TEMPLATE)
+    return [template_family(template.scenario(name)) for name in names]
+
+
 @dataclass(frozen=True)
 class GeneratedInstance(GatedInstance):
     """A gated instance from the generator. ``system`` (possibly empty) is the system message of chat
