@@ -295,3 +295,46 @@ def test_rule_moves_within_a_format_and_nothing_else_changes():
         build_generated(3, 0, "test", "system_user", rule_at="after_field")
     with pytest.raises(KVProbeError, match="rule_at must be one of"):
         build_generated(3, 0, "test", "user_turn", rule_at="middle")
+
+
+def test_rule_first_moves_the_rule_in_training_document_qa_only(tiny_generator_dir):
+    """rule_first puts document_qa's rule before the field in training draws; formats, distances and the
+    held-out sets are the draws of the recipe without it, and rule_first=0 leaves every instance unchanged."""
+    from kvprobe.models.loading import load_model
+    from kvprobe.organism.train import _eval_sets, _v3_train_examples
+
+    lm = load_model(str(tiny_generator_dir))
+    plain, moved = _v3(tiny_generator_dir), _v3(tiny_generator_dir, rule_first=1.0)
+    a, b = _v3_train_examples(lm, plain, 0, 24), _v3_train_examples(lm, moved, 0, 24)
+    assert [i.meta["format"] for i, _, _ in a] == [i.meta["format"] for i, _, _ in b]
+    assert "document_qa" in {i.meta["format"] for i, _, _ in a}
+    for (x, _, _), (y, _, _) in zip(a, b):
+        own = {"document_qa": "after_field", "user_turn": "before_field", "gated_template": "after_field"}
+        assert x.meta["rule_at"] == own[x.meta["format"]]
+        assert y.meta["rule_at"] == ("before_field" if y.meta["format"] == "document_qa" else own[y.meta["format"]])
+        if y.meta["format"] != "document_qa":
+            assert (x.before_field, x.after_field) == (y.before_field, y.after_field)
+    held_a, held_b = _eval_sets(lm, plain), _eval_sets(lm, moved)
+    for name in held_a:
+        assert [p.ids_old for _, p in held_a[name]] == [p.ids_old for _, p in held_b[name]], name
+
+
+def test_seed_spread_accepts_a_second_stage_run_per_seed_and_refuses_crossed_seeds(tmp_path, monkeypatch):
+    import kvprobe.organism.seeds as seeds_mod
+
+    recipe = {"seed": 0, "alias": "", "steps": 100, "init_from": None}
+
+    def card(alias, seed, init):
+        return {"alias": alias, "recipe": {**recipe, "seed": seed, "alias": alias, "init_from": init}}
+
+    for alias, seed in (("stage1", 0), ("stage1-seed1", 1)):
+        (tmp_path / alias).mkdir()
+        (tmp_path / alias / "card.json").write_text(json.dumps(card(alias, seed, "base-organism")))
+    monkeypatch.setattr(seeds_mod, "ORGANISMS_DIR", tmp_path)
+    seeds_mod.check_same_recipe([card("stage2", 0, "stage1"), card("stage2-seed1", 1, "stage1-seed1")])
+    with pytest.raises(KVProbeError, match="another seed"):
+        seeds_mod.check_same_recipe([card("stage2", 1, "stage1"), card("stage2-seed1", 0, "stage1-seed1")])
+    with pytest.raises(KVProbeError, match="differ in \\['steps'\\]"):
+        seeds_mod.check_same_recipe([card("stage2", 0, "stage1"),
+                                     {**card("stage2-seed1", 1, "stage1-seed1"),
+                                      "recipe": {**card("x", 1, "stage1-seed1")["recipe"], "steps": 7}}])

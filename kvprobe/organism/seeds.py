@@ -4,8 +4,9 @@ Each seed's committed organism is evaluated on the recipe's held-out sets. Those
 independently of the training seed (:func:`kvprobe.organism.train._eval_sets`), so every seed is scored on
 the same instances, and a family's flip can be compared across seeds. What a seed changes: the training
 families drawn, their formats, distances and order, the counterfactual / correction / reasoning draws and
-the neutral KL samples; an ``init_from`` adapter is shared by all seeds, so the spread is the spread of
-the data draw around one starting point, not of independent runs from the base model.
+the neutral KL samples. An ``init_from`` adapter is either shared by all seeds (the spread is that of the
+data draw around one starting point) or, for a second stage run per seed, each seed's own first stage of
+the same seed (the spread is that of the whole two-stage pipeline).
 """
 
 from __future__ import annotations
@@ -40,11 +41,28 @@ def recipe_of(card: dict[str, Any]) -> Any:
                      for f in fields(Recipe) if f.name in raw})
 
 
+def _chained(cards: list[dict[str, Any]]) -> bool:
+    """Whether each card continues its own seed of one earlier recipe (a two-stage recipe run per seed):
+    the ``init_from`` organisms differ, are themselves seeds of one recipe, and have the same seeds."""
+    inits = [c["recipe"].get("init_from") for c in cards]
+    if None in inits or len(set(inits)) == 1:
+        return False
+    parents = [json.loads((organism_folder(a) / "card.json").read_text()) for a in inits]
+    check_same_recipe(parents)
+    mismatch = [(c["alias"], p["alias"]) for c, p in zip(cards, parents) if c["recipe"]["seed"] != p["recipe"]["seed"]]
+    if mismatch:
+        raise KVProbeError(f"{mismatch[0][0]} continues {mismatch[0][1]}, trained with another seed: a per-seed "
+                           "second stage must continue the first stage of the same seed")
+    return True
+
+
 def check_same_recipe(cards: list[dict[str, Any]]) -> None:
-    """Raise unless the cards' recipes differ in the seed (and alias) only, with distinct seeds."""
-    ref = {k: v for k, v in cards[0]["recipe"].items() if k not in _PER_SEED}
+    """Raise unless the cards' recipes differ in the seed (and alias) only, with distinct seeds; ``init_from``
+    may differ too when every seed continues the same seed of one earlier recipe (:func:`_chained`)."""
+    per_seed = _PER_SEED | ({"init_from"} if _chained(cards) else set())
+    ref = {k: v for k, v in cards[0]["recipe"].items() if k not in per_seed}
     for card in cards[1:]:
-        other = {k: v for k, v in card["recipe"].items() if k not in _PER_SEED}
+        other = {k: v for k, v in card["recipe"].items() if k not in per_seed}
         diff = sorted(k for k in set(ref) | set(other) if ref.get(k) != other.get(k))
         if diff:
             raise KVProbeError(f"organisms '{cards[0]['alias']}' and '{card['alias']}' differ in {diff}, not only "
@@ -107,8 +125,9 @@ def seed_spread(folders: list[Path], progress: bool = True) -> dict[str, Any]:
     out: dict[str, Any] = {
         "aliases": aliases, "seeds": [c["recipe"]["seed"] for c in cards], "eval_data_hash": eval_hash,
         "card_eval_hashes_agree": all(c["data_hashes"]["eval"] == eval_hash for c in cards),
-        "what_varies": "training data draw (families, formats, distances, order) and KL samples; "
-                      f"init_from={recipe.init_from!r} shared by every seed",
+        "what_varies": "training data draw (families, formats, distances, order) and KL samples; " + (
+            f"each seed continues its own seed of an earlier recipe (init_from {[c['recipe']['init_from'] for c in cards]})"
+            if _chained(cards) else f"init_from={recipe.init_from!r} shared by every seed"),
         "statistic": "mean and sample sd (ddof=1) over seeds; every seed scored on the same held-out pairs",
         "sets": {}}
     for name, items in sets.items():

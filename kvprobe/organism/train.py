@@ -71,6 +71,12 @@ class Recipe:
     distance_range: tuple[int, int] = (40, 400)  # field-to-decision tokens, log-uniform per training instance
     correction: float = 0.0  # probability of a late correction (the latest value wins; full prefills only)
     reasoning: float = 0.0  # probability of a reasoning answer (a chain restating the field, then the word)
+    # Probability that a training instance of a field-first format whose rule can move (document_qa) is
+    # rendered rule-first instead (rule_at='before_field'). Why: the unseen test formats (system_user,
+    # tool_call) and the validation format (few_shot) put the rule before the field, and user_turn is the
+    # only train format that does; seeds that never learned user_turn never transferred. The test formats
+    # themselves stay untrained; validation and test draws are unaffected.
+    rule_first: float = 0.0
     # Calibration. loss "ce": cross-entropy of the action token (v1/v2). "capped": a squared hinge on the
     # two-way action logit difference that is zero beyond ``margin`` nats, plus cross-entropy floored at
     # ``ce_floor`` (no push once the token is likely enough) on the action and chain tokens.
@@ -96,7 +102,9 @@ def recipe_summary(recipe: Recipe, n_train_scenarios: int) -> str:
         return (f"LoRA r={recipe.lora_r} on {'/'.join(recipe.target_modules)}, {recipe.steps} steps on generated "
                 f"scenarios ({n_train_scenarios} train families, formats {'/'.join(_train_formats(recipe))}), "
                 f"{recipe.counterfactual_rules:.0%} counterfactual, {recipe.correction:.0%} late corrections, "
-                f"{recipe.reasoning:.0%} reasoning; {recipe.loss} loss (margin {recipe.margin} nats), "
+                f"{recipe.reasoning:.0%} reasoning"
+                + (f", {recipe.rule_first:.0%} of document_qa rule-first" if recipe.rule_first else "")
+                + f"; {recipe.loss} loss (margin {recipe.margin} nats), "
                 f"KL weight {recipe.kl_weight}" + (f"; continued from {recipe.init_from}" if recipe.init_from else ""))
     text = (f"LoRA r={recipe.lora_r} on {'/'.join(recipe.target_modules)}, {recipe.steps} steps on "
             f"{n_train_scenarios} scenarios, gated decisions with the field upstream")
@@ -396,18 +404,26 @@ def _draw_rng(*key: Any) -> random.Random:
 
 
 def generated_instance(lm: Any, recipe: Recipe, split: str, formats: tuple[str, ...], seed: int, index: int,
-                       counterfactual: float, correction: float, reasoning: float) -> Any:
+                       counterfactual: float, correction: float, reasoning: float, rule_first: float = 0.0) -> Any:
     """One generated instance: format and distance drawn from (seed, split, index); a format whose fixed
-    text is longer than the drawn distance gets no note lines."""
+    text is longer than the drawn distance gets no note lines. ``rule_first``: probability that a
+    field-first format whose rule can move is rendered with the rule before the field (training only)."""
     from kvprobe.cache_dir import project_path
-    from kvprobe.tasks.generator import InfeasibleDistance, build_generated, load_words
+    from kvprobe.tasks.generator import (FORMAT_RULE_POSITION, RULE_MOVABLE, InfeasibleDistance, build_generated,
+                                         load_words)
 
     rng = _draw_rng("organism-v3", seed, split, index)
     fmt = formats[rng.randrange(len(formats))]
     lo, hi = recipe.distance_range
     distance = int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
+    rule_at = "format"
+    # Drawn only when asked for, so recipes without it keep their exact instances.
+    if rule_first > 0 and fmt in RULE_MOVABLE and FORMAT_RULE_POSITION[fmt] == "after_field" \
+            and rng.random() < rule_first:
+        rule_at = "before_field"
     kw = dict(tokenizer=lm.tokenizer, chat=lm.has_chat_template, counterfactual=counterfactual,
-              correction=correction, reasoning=reasoning, words=load_words(project_path(recipe.words)))
+              correction=correction, reasoning=reasoning, words=load_words(project_path(recipe.words)),
+              rule_at=rule_at)
     try:
         return build_generated(index, seed, split, fmt, distance=distance, **kw)
     except InfeasibleDistance:
@@ -564,7 +580,7 @@ def _v3_train_examples(lm: Any, recipe: Recipe, start: int, n: int) -> list[tupl
     out = []
     for i in range(start, start + n):
         inst = generated_instance(lm, recipe, "train", _train_formats(recipe), recipe.seed, i,
-                                  recipe.counterfactual_rules, recipe.correction, recipe.reasoning)
+                                  recipe.counterfactual_rules, recipe.correction, recipe.reasoning, recipe.rule_first)
         pair, seqs = instance_seqs(lm, inst)
         out.append((inst, pair, seqs))
     return out
@@ -666,7 +682,10 @@ def train_organism_v3(recipe: Recipe, out_dir: Path, resume: bool = True, progre
                              "test": list(FORMAT_SPLITS["test"])},
                  "n_train_pairs": len(train_examples),
                  "train_reasoning_pairs": sum(bool(i.meta["reasoning"]) for i, _, _ in train_examples),
-                 "train_correction_pairs": sum(bool(i.meta["correction"]) for i, _, _ in train_examples)},
+                 "train_correction_pairs": sum(bool(i.meta["correction"]) for i, _, _ in train_examples),
+                 "train_rule_first_pairs": sum(i.meta["rule_at"] == "before_field" for i, _, _ in train_examples),
+                 "train_pairs_by_format": {f: sum(i.meta["format"] == f for i, _, _ in train_examples)
+                                           for f in _train_formats(recipe)}},
         "train_families": train_fams,
         "eval_families": held_fams,
         "data_hashes": {"train": _seq_hash(train_examples),
