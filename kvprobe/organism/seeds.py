@@ -56,10 +56,12 @@ def _chained(cards: list[dict[str, Any]]) -> bool:
     return True
 
 
-def check_same_recipe(cards: list[dict[str, Any]]) -> None:
+def check_same_recipe(cards: list[dict[str, Any]]) -> bool:
     """Raise unless the cards' recipes differ in the seed (and alias) only, with distinct seeds; ``init_from``
-    may differ too when every seed continues the same seed of one earlier recipe (:func:`_chained`)."""
-    per_seed = _PER_SEED | ({"init_from"} if _chained(cards) else set())
+    may differ too when every seed continues the same seed of one earlier recipe (:func:`_chained`).
+    Returns whether they do (a second stage run per seed)."""
+    chained = _chained(cards)
+    per_seed = _PER_SEED | ({"init_from"} if chained else set())
     ref = {k: v for k, v in cards[0]["recipe"].items() if k not in per_seed}
     for card in cards[1:]:
         other = {k: v for k, v in card["recipe"].items() if k not in per_seed}
@@ -70,6 +72,7 @@ def check_same_recipe(cards: list[dict[str, Any]]) -> None:
     seeds = [c["recipe"]["seed"] for c in cards]
     if len(set(seeds)) != len(seeds):
         raise KVProbeError(f"two organisms share a training seed: {seeds}")
+    return chained
 
 
 def mean_sd(values: list[float]) -> dict[str, Any]:
@@ -111,7 +114,7 @@ def seed_spread(folders: list[Path], progress: bool = True) -> dict[str, Any]:
         raise KVProbeError("a seed spread needs at least two organisms of one recipe")
     cards = [json.loads((Path(f) / "card.json").read_text()) for f in folders]
     aliases = [c["alias"] for c in cards]
-    check_same_recipe(cards)
+    chained = check_same_recipe(cards)
     recipe = recipe_of(cards[0])
     base = load_model(recipe.base_model, device="cpu", dtype="float32")
     sets = _eval_sets(base, recipe)
@@ -127,7 +130,7 @@ def seed_spread(folders: list[Path], progress: bool = True) -> dict[str, Any]:
         "card_eval_hashes_agree": all(c["data_hashes"]["eval"] == eval_hash for c in cards),
         "what_varies": "training data draw (families, formats, distances, order) and KL samples; " + (
             f"each seed continues its own seed of an earlier recipe (init_from {[c['recipe']['init_from'] for c in cards]})"
-            if _chained(cards) else f"init_from={recipe.init_from!r} shared by every seed"),
+            if chained else f"init_from={recipe.init_from!r} shared by every seed"),
         "statistic": "mean and sample sd (ddof=1) over seeds; every seed scored on the same held-out pairs",
         "sets": {}}
     for name, items in sets.items():

@@ -683,6 +683,7 @@ def train_organism_v3(recipe: Recipe, out_dir: Path, resume: bool = True, progre
                  "n_train_pairs": len(train_examples),
                  "train_reasoning_pairs": sum(bool(i.meta["reasoning"]) for i, _, _ in train_examples),
                  "train_correction_pairs": sum(bool(i.meta["correction"]) for i, _, _ in train_examples),
+                 # every pair whose rule precedes the field: user_turn's own layout and moved document_qa
                  "train_rule_first_pairs": sum(i.meta["rule_at"] == "before_field" for i, _, _ in train_examples),
                  "train_pairs_by_format": {f: sum(i.meta["format"] == f for i, _, _ in train_examples)
                                            for f in _train_formats(recipe)}},
