@@ -264,6 +264,11 @@ def test_seed_spread_scores_every_seed_on_the_same_heldout_pairs(tiny_generator_
         # re-evaluating the saved (merged) adapters reproduces each card's own held-out accuracy
         assert acc["per_seed"] == [c["heldout_eval"]["after"][name]["all"]["accuracy"] for c in cards], name
         assert acc["sd"] is not None and len(block["by_family"]) == block["all"]["n_pairs"]
+        # the stored per-pair logit differences reproduce the aggregates
+        for s, lds in enumerate(block["pair_lds"]):
+            same = sum((a > 0) == (b > 0) for a, b in lds) / len(lds)
+            assert block["all"]["field_ignored"]["per_seed"][s] == pytest.approx(same)
+            assert acc["per_seed"][s] == pytest.approx(sum((a < 0) + (b > 0) for a, b in lds) / (2 * len(lds)))
     write_seed_spread(tmp_path / "s0", spread)
     assert json.loads((tmp_path / "s0" / "card.json").read_text())["seeds"]["aliases"] == ["tiny-v3-s0", "tiny-v3-s1"]
     table = seed_table(folders=[tmp_path / "s0", tmp_path / "s1"]).splitlines()
@@ -272,6 +277,16 @@ def test_seed_spread_scores_every_seed_on_the_same_heldout_pairs(tiny_generator_
     other = dict(cards[1], recipe={**cards[1]["recipe"], "steps": 4})
     with pytest.raises(KVProbeError, match="differ in \\['steps'\\]"):
         check_same_recipe([cards[0], other])
+
+
+def test_field_ignored_splits_accuracy_into_its_causes():
+    from kvprobe.organism.seeds import _accuracy, _field_ignored
+
+    # (old-prompt, new-prompt) logit differences, > 0 = the new action: both right, new twice, old twice, inverted
+    lds = [(-1.0, 2.0), (1.0, 2.0), (-1.0, -2.0), (1.0, -2.0)]
+    assert _field_ignored(lds) == 0.5
+    assert _accuracy(lds) == 0.25 + _field_ignored(lds) / 2  # one pair of four both right
+    assert _field_ignored([(-1.0, 2.0)]) == 0 and _field_ignored([(1.0, -2.0)]) == 0  # inverted is not ignored
 
 
 def test_rule_moves_within_a_format_and_nothing_else_changes():

@@ -89,14 +89,23 @@ def _median_flip(lds: list[tuple[float, float]]) -> float:
     return statistics.median(b - a for a, b in lds)
 
 
+def _field_ignored(lds: list[tuple[float, float]]) -> float:
+    """Share of pairs whose two prompts get the same action: switching the field does not switch the decision.
+    With it, accuracy splits into its causes: a pair is both right, one right (field ignored) or both wrong
+    (rule inverted), so accuracy = both_right + field_ignored / 2."""
+    return sum((a > 0) == (b > 0) for a, b in lds) / len(lds)
+
+
 def _group_stats(per_seed: list[list[tuple[float, float]]], groups: list[str]) -> dict[str, Any]:
-    """Accuracy and median flip per group, each as mean +- sd over seeds."""
+    """Accuracy, median flip and the share of pairs the field does not switch, per group, each as mean +- sd
+    over seeds."""
     out = {}
     for g in sorted(set(groups)):
         idx = [i for i, x in enumerate(groups) if x == g]
         rows = [[lds[i] for i in idx] for lds in per_seed]
         out[g] = {"n_pairs": len(idx), "accuracy": mean_sd([_accuracy(r) for r in rows]),
-                  "median_flip": mean_sd([_median_flip(r) for r in rows])}
+                  "median_flip": mean_sd([_median_flip(r) for r in rows]),
+                  "field_ignored": mean_sd([_field_ignored(r) for r in rows])}
     return out
 
 
@@ -146,6 +155,9 @@ def seed_spread(folders: list[Path], progress: bool = True) -> dict[str, Any]:
                                         "correct_in_all_seeds": all(lds_s[i][0] < 0 < lds_s[i][1]
                                                                     for lds_s in per_seed)}
                           for i, (inst, _) in enumerate(items)},
+            # The raw per-pair action logit differences (old prompt, new prompt) per seed, so any later
+            # statistic can be computed from the card without reloading the organisms.
+            "pair_lds": [[[round(a, 3), round(b, 3)] for a, b in lds_s] for lds_s in per_seed],
         }
     out["neutral_perplexity_relative_change"] = mean_sd([c["neutral_perplexity"]["relative_change"] for c in cards])
     out["train_seconds"] = [c.get("train_seconds") for c in cards]
@@ -170,6 +182,10 @@ def _cell(stat: dict[str, Any], digits: int) -> str:
     return f"{stat['mean']:.{digits}f}{sd} ({per})"
 
 
+def _share_cell(stat: dict[str, Any]) -> str:
+    return f"{stat['mean']:.2f} ({' / '.join(f'{v:.2f}' for v in stat['per_seed'])})"
+
+
 SET_LABELS = {"test_train_formats": "test families, train formats",
               "test_unseen_formats": "test families, unseen formats",
               "test_corrections": "test families, late corrections",
@@ -183,7 +199,8 @@ def seed_table(_results_dir: Any = None, folders: list[Path] | None = None) -> s
     from kvprobe.models.registry import organism_dirs
 
     lines = ["| organism (seeds) | held-out set | format | pairs | accuracy, mean +- sd (per seed) | "
-             "median flip (nats), mean +- sd (per seed) | families right in every seed |", "|" + "---|" * 7]
+             "median flip (nats), mean +- sd (per seed) | pairs the field does not switch, mean (per seed) | "
+             "families right in every seed |", "|" + "---|" * 8]
     for folder in organism_dirs() if folders is None else folders:
         card = json.loads((folder / "card.json").read_text())
         spread = card.get("seeds")
@@ -199,10 +216,11 @@ def seed_table(_results_dir: Any = None, folders: list[Path] | None = None) -> s
             groups = [("all", block["all"], right)]
             groups += [(fmt, g, "") for fmt, g in block["by_format"].items()] if len(block["by_format"]) > 1 else []
             for fmt, g, r in groups:
+                ignored = _share_cell(g["field_ignored"]) if "field_ignored" in g else "- (spread predates it)"
                 lines.append(f"| {who} | {SET_LABELS[name]} | {fmt} | {g['n_pairs']} | {_cell(g['accuracy'], 2)} | "
-                             f"{_cell(g['median_flip'], 1)} | {r} |")
+                             f"{_cell(g['median_flip'], 1)} | {ignored} | {r} |")
         ppl = spread["neutral_perplexity_relative_change"]
-        lines.append(f"| {who} | neutral-text perplexity change | - | - | - | - | {100 * ppl['mean']:+.1f}% +- "
+        lines.append(f"| {who} | neutral-text perplexity change | - | - | - | - | - | {100 * ppl['mean']:+.1f}% +- "
                      f"{100 * (ppl['sd'] or 0):.1f}% |")
     if len(lines) == 2:
         return "(no organism card holds a seed spread yet: `kvprobe organism seeds <alias> --seeds ...`)"
