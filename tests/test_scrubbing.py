@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from kvprobe.errors import KVProbeError
 from kvprobe.figures import render_all
 from kvprobe.kv.readout import read_logits
 from kvprobe.metrics import logit_diff
@@ -33,6 +34,16 @@ def test_filler_reordering_keeps_everything_but_the_order(template):
     assert sorted(var.after_field.splitlines()) != [] and len(var.after_field) == len(inst.after_field)
     assert sorted(line.split(". ", 1)[-1] for line in var.after_field.splitlines()) == \
         sorted(line.split(". ", 1)[-1] for line in inst.after_field.splitlines())
+
+
+def test_filler_reordering_refuses_prompts_without_filler_rules_and_names_the_fix():
+    from kvprobe.tasks.generator import build_generated
+
+    chat = build_generated(0, 0, "test", "system_user")
+    with pytest.raises(KVProbeError, match=r"fewer than two: .*formats: \[gated_template\]"):
+        reorder_fillers(chat, [0, 1])
+    shaped = build_generated(0, 0, "test", "gated_template")
+    assert reorder_fillers(shaped, [0, 1]).after_field != shaped.after_field  # the template shape has them
 
 
 def test_donors_are_position_aligned_other_inputs(scrub_setup):

@@ -33,7 +33,9 @@ def reorder_fillers(inst: Any, seed: Sequence[int]) -> Any:
     """The instance with its numbered filler rules in a seeded random order (the numbering stays in place)."""
     rules = [m.group(2) for m in _RULE.finditer(inst.after_field)]
     if len(rules) < 2:
-        raise KVProbeError("scrubbing resamples the filler rules' order: the instance has fewer than two")
+        raise KVProbeError("scrubbing resamples the order of the template's numbered filler rules (R1. ... Rn.), and "
+                           f"this instance ({getattr(inst, 'scenario', '?')}) has fewer than two: run it on "
+                           "template-shaped prompts (task.template alone, or task.generator.formats: [gated_template])")
     order = np.random.default_rng(list(seed)).permutation(len(rules))
     it = iter([rules[i] for i in order])
     return dataclasses.replace(inst, after_field=_RULE.sub(lambda m: f"R{m.group(1)}. {next(it)}", inst.after_field))
