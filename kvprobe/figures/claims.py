@@ -48,4 +48,4 @@ def fig_claims(records: list[dict[str, Any]], path: Path) -> None:
     ax.set_xlabel("ours: mean [95% CI]; shaded: the bounds tested", fontsize=8)
     ax.legend(handles=handles, fontsize=7, ncol=3, loc="upper right", bbox_to_anchor=(1.0, -0.6 / len(labels) - 0.04))
     ax.set_title("Paper claims, ours vs paper (verdicts on BH q)", fontsize=9)
-    save(fig, path)
+    save(fig, path, dpi=100)  # one row per claim x model (hundreds): 130 dpi put the PNG over 2 MiB

@@ -43,7 +43,7 @@ def bar_with_ci(ax, x: float, stat: dict[str, Any], width: float, color: str, la
     ax.errorbar(x, mean, yerr=[[mean - lo], [hi - mean]], fmt="none", ecolor="black", capsize=2, lw=0.8)
 
 
-def save(fig, path: Path) -> None:
+def save(fig, path: Path, dpi: int = 130) -> None:
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
