@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -330,6 +331,56 @@ def test_rule_first_moves_the_rule_in_training_document_qa_only(tiny_generator_d
         if y.meta["format"] != "document_qa":
             assert (x.before_field, x.after_field) == (y.before_field, y.after_field)
     held_a, held_b = _eval_sets(lm, plain), _eval_sets(lm, moved)
+    for name in held_a:
+        assert [p.ids_old for _, p in held_a[name]] == [p.ids_old for _, p in held_b[name]], name
+
+
+def test_surface_variants_change_only_the_framing_of_user_turn_and_document_qa():
+    """surface=True re-draws the framing (opening, labels, header, separator, bullet) of the two free-form
+    train formats and nothing else: same family, values, actions, rule and notes; other formats ignore it;
+    no variant carries a marker of a held-out format."""
+    from kvprobe.tasks.generator import SURFACE_VARIANTS, SURFACE_VARIED
+
+    seen = set()
+    for fmt in FORMATS:
+        for i in range(12):
+            plain = build_generated(i, 0, "train", fmt, correction=0.3, reasoning=0.3)
+            varied = build_generated(i, 0, "train", fmt, correction=0.3, reasoning=0.3, surface=True)
+            if fmt not in SURFACE_VARIED:
+                assert (plain.before_field, plain.after_field) == (varied.before_field, varied.after_field)
+                assert "surface" not in varied.meta
+                continue
+            assert varied.meta["surface"] is True and "surface" not in plain.meta
+            assert (plain.family, plain.old_value, plain.new_value, plain.old_action, plain.new_action) == \
+                   (varied.family, varied.old_value, varied.new_value, varied.old_action, varied.new_action)
+            text = varied.before_field + varied.after_field
+            assert plain.meta["rule_at"] == varied.meta["rule_at"]
+            rule = plain.before_field + plain.after_field
+            for note in re.findall(r"^- (.+)$", rule, flags=re.M):  # every note line survives, re-bulleted
+                assert note in text
+            seen.add(text != plain.before_field + plain.after_field)
+            assert varied.after_field[varied.decision_at:] == plain.after_field[plain.decision_at:]
+    assert True in seen  # the variants do change the text (the first option of each list is the plain one)
+    held_out_markers = ("Case ", "Rule:", "tool_call", "tool_response", "log:", "reference:")
+    for options in SURFACE_VARIANTS.values():
+        for option in options:
+            assert not any(m in option for m in held_out_markers), option
+
+
+def test_recipe_surface_varies_training_framings_only(tiny_generator_dir):
+    """Recipe.surface re-draws framings of training draws only: formats, rule positions, families and the
+    held-out sets are those of the recipe without it."""
+    from kvprobe.models.loading import load_model
+    from kvprobe.organism.train import _eval_sets, _v3_train_examples
+
+    lm = load_model(str(tiny_generator_dir))
+    plain, varied = _v3(tiny_generator_dir, rule_first=0.5), _v3(tiny_generator_dir, rule_first=0.5, surface=1.0)
+    a, b = _v3_train_examples(lm, plain, 0, 24), _v3_train_examples(lm, varied, 0, 24)
+    assert [(i.meta["format"], i.meta["rule_at"], i.family) for i, _, _ in a] == \
+           [(i.meta["format"], i.meta["rule_at"], i.family) for i, _, _ in b]
+    assert {i.meta["format"] for i, _, _ in b if i.meta.get("surface")} == {"user_turn", "document_qa"}
+    assert not any(i.meta.get("surface") for i, _, _ in b if i.meta["format"] == "gated_template")
+    held_a, held_b = _eval_sets(lm, plain), _eval_sets(lm, varied)
     for name in held_a:
         assert [p.ids_old for _, p in held_a[name]] == [p.ids_old for _, p in held_b[name]], name
 

@@ -77,6 +77,11 @@ class Recipe:
     # only train format that does; seeds that never learned user_turn never transferred. The test formats
     # themselves stay untrained; validation and test draws are unaffected.
     rule_first: float = 0.0
+    # Probability that a training instance of a format with surface variants (user_turn, document_qa) has
+    # its framing text re-drawn (generator.SURFACE_VARIANTS: opening line, labels, record header, field
+    # separator, note bullet). Why: seeds that learn the three fixed framings ignore the field in unseen
+    # formats; varied framings leave the rule read through the field as the only constant.
+    surface: float = 0.0
     # Calibration. loss "ce": cross-entropy of the action token (v1/v2). "capped": a squared hinge on the
     # two-way action logit difference that is zero beyond ``margin`` nats, plus cross-entropy floored at
     # ``ce_floor`` (no push once the token is likely enough) on the action and chain tokens.
@@ -104,6 +109,7 @@ def recipe_summary(recipe: Recipe, n_train_scenarios: int) -> str:
                 f"{recipe.counterfactual_rules:.0%} counterfactual, {recipe.correction:.0%} late corrections, "
                 f"{recipe.reasoning:.0%} reasoning"
                 + (f", {recipe.rule_first:.0%} of document_qa rule-first" if recipe.rule_first else "")
+                + (f", {recipe.surface:.0%} of user_turn/document_qa with varied framing" if recipe.surface else "")
                 + f"; {recipe.loss} loss (margin {recipe.margin} nats), "
                 f"KL weight {recipe.kl_weight}" + (f"; continued from {recipe.init_from}" if recipe.init_from else ""))
     text = (f"LoRA r={recipe.lora_r} on {'/'.join(recipe.target_modules)}, {recipe.steps} steps on "
@@ -404,13 +410,15 @@ def _draw_rng(*key: Any) -> random.Random:
 
 
 def generated_instance(lm: Any, recipe: Recipe, split: str, formats: tuple[str, ...], seed: int, index: int,
-                       counterfactual: float, correction: float, reasoning: float, rule_first: float = 0.0) -> Any:
+                       counterfactual: float, correction: float, reasoning: float, rule_first: float = 0.0,
+                       surface: float = 0.0) -> Any:
     """One generated instance: format and distance drawn from (seed, split, index); a format whose fixed
     text is longer than the drawn distance gets no note lines. ``rule_first``: probability that a
-    field-first format whose rule can move is rendered with the rule before the field (training only)."""
+    field-first format whose rule can move is rendered with the rule before the field (training only).
+    ``surface``: probability that a format with surface variants has its framing re-drawn (training only)."""
     from kvprobe.cache_dir import project_path
-    from kvprobe.tasks.generator import (FORMAT_RULE_POSITION, RULE_MOVABLE, InfeasibleDistance, build_generated,
-                                         load_words)
+    from kvprobe.tasks.generator import (FORMAT_RULE_POSITION, RULE_MOVABLE, SURFACE_VARIED, InfeasibleDistance,
+                                         build_generated, load_words)
 
     rng = _draw_rng("organism-v3", seed, split, index)
     fmt = formats[rng.randrange(len(formats))]
@@ -421,9 +429,10 @@ def generated_instance(lm: Any, recipe: Recipe, split: str, formats: tuple[str, 
     if rule_first > 0 and fmt in RULE_MOVABLE and FORMAT_RULE_POSITION[fmt] == "after_field" \
             and rng.random() < rule_first:
         rule_at = "before_field"
+    varied = surface > 0 and fmt in SURFACE_VARIED and rng.random() < surface  # drawn last, for the same reason
     kw = dict(tokenizer=lm.tokenizer, chat=lm.has_chat_template, counterfactual=counterfactual,
               correction=correction, reasoning=reasoning, words=load_words(project_path(recipe.words)),
-              rule_at=rule_at)
+              rule_at=rule_at, surface=varied)
     try:
         return build_generated(index, seed, split, fmt, distance=distance, **kw)
     except InfeasibleDistance:
@@ -580,7 +589,8 @@ def _v3_train_examples(lm: Any, recipe: Recipe, start: int, n: int) -> list[tupl
     out = []
     for i in range(start, start + n):
         inst = generated_instance(lm, recipe, "train", _train_formats(recipe), recipe.seed, i,
-                                  recipe.counterfactual_rules, recipe.correction, recipe.reasoning, recipe.rule_first)
+                                  recipe.counterfactual_rules, recipe.correction, recipe.reasoning, recipe.rule_first,
+                                  recipe.surface)
         pair, seqs = instance_seqs(lm, inst)
         out.append((inst, pair, seqs))
     return out
@@ -685,6 +695,7 @@ def train_organism_v3(recipe: Recipe, out_dir: Path, resume: bool = True, progre
                  "train_correction_pairs": sum(bool(i.meta["correction"]) for i, _, _ in train_examples),
                  # every pair whose rule precedes the field: user_turn's own layout and moved document_qa
                  "train_rule_first_pairs": sum(i.meta["rule_at"] == "before_field" for i, _, _ in train_examples),
+                 "train_surface_varied_pairs": sum(bool(i.meta.get("surface")) for i, _, _ in train_examples),
                  "train_pairs_by_format": {f: sum(i.meta["format"] == f for i, _, _ in train_examples)
                                            for f in _train_formats(recipe)}},
         "train_families": train_fams,

@@ -62,6 +62,27 @@ RULE_MOVABLE = ("user_turn", "document_qa")
 FORMAT_SPLITS: dict[str, tuple[str, ...]] = {"train": ("gated_template", "user_turn", "document_qa"),
                                              "validation": ("few_shot",),
                                              "test": ("system_user", "tool_call")}
+# Surface variants of the two free-form train formats: the framing text around the record (opening line,
+# labels, record header, field separator, note bullet) is re-drawn, the content is not. Why: an organism
+# trained on three fixed framings can learn the framings instead of the habit of reading the field through
+# the rule (issue #14 (d)). No variant uses a marker of a held-out format ("Case", "Rule:", tool tags,
+# "log:", a system message), so the validation and test formats stay unseen.
+SURFACE_VARIED = ("user_turn", "document_qa")
+SURFACE_VARIANTS: dict[str, tuple[str, ...]] = {
+    "opening": ("You are an operations assistant. Apply the policy to the record below.",
+                "Apply the policy to the record that follows.", "Check the record against the policy, then decide.",
+                "You work on the operations desk. Use the policy below on this record.",
+                "Instructions: decide by the policy for the record below."),
+    "policy_label": ("Policy:", "POLICY:", "Guideline:", "Standing instruction:", "Policy -"),
+    "record_header": ("Record {ref}", "Entry {ref}", "File {ref}", "Ticket {ref}", "== record {ref} =="),
+    "separator": (": ", " = ", " -> ", " is "),
+    "bullet": ("- ", "* ", "", "> ", "note: "),
+    "doc_opening": ("Read the document, then answer the question.", "Below is a document. Answer the question after it.",
+                    "Use the document to answer.", "A document follows, then one question about it."),
+    "doc_frame": ("DOCUMENT {ref}|END OF DOCUMENT", "BEGIN FILE {ref}|END FILE", "<doc id={ref}>|</doc>",
+                  "--- {ref} ---|---"),
+}
+_PLAIN_SURFACE = {k: v[0] for k, v in SURFACE_VARIANTS.items()}
 def known_formats(formats: list[str]) -> list[str]:
     """Config validator: every name is a generator format (``ValueError`` names the unknown ones)."""
     unknown = sorted(set(formats) - set(FORMATS))
@@ -314,33 +335,38 @@ class _Draw:
     rule_at: str = "format"  # resolved by rule_position(); moves the rule only in RULE_MOVABLE formats
 
 
-def _note_line(fmt: str, note: str) -> str:
-    return f"log: {note}" if fmt == "tool_call" else f"- {note}"
+def _note_line(fmt: str, note: str, bullet: str = "- ") -> str:
+    return f"log: {note}" if fmt == "tool_call" else f"{bullet}{note}"
+
+
+def _surface(d: _Draw) -> dict[str, str]:
+    return d.extra.get("surface", _PLAIN_SURFACE)
 
 
 def _body(fmt: str, d: _Draw, field_text: str, notes: list[str]) -> tuple[str, str]:
     """(system message, body) of a format with ``field_text`` as the field's value and the note lines."""
     f = d.family.field
-    note_block = "\n".join(_note_line(fmt, n) for n in notes)
+    sv = _surface(d)
+    note_block = "\n".join(_note_line(fmt, n, sv["bullet"]) for n in notes)
     note_block = note_block + "\n" if note_block else ""
     if fmt == "system_user":
         system = f"You are an operations assistant. Follow this policy exactly.\nPolicy: {d.rule_text}"
         return system, f"{f}: {field_text}\nreference: {d.ref}\n{note_block}\n{d.request} {d.question}"
+    field_line = f"{f}{sv['separator']}{field_text}"
+    policy = f"{sv['policy_label']} {d.rule_text}"
     if fmt == "user_turn":
+        record = sv["record_header"].format(ref=d.ref)
         if d.rule_at == "after_field":  # same format, the rule moved after the record (field first)
-            return "", (f"You are an operations assistant. Apply the policy to the record below.\n\n"
-                        f"Record {d.ref}\n{f}: {field_text}\n{note_block}Policy: {d.rule_text}\n\n"
+            return "", (f"{sv['opening']}\n\n{record}\n{field_line}\n{note_block}{policy}\n\n"
                         f"{d.request} {d.question}")
-        return "", (f"You are an operations assistant. Apply the policy to the record below.\n"
-                    f"Policy: {d.rule_text}\n\nRecord {d.ref}\n{f}: {field_text}\n{note_block}\n"
-                    f"{d.request} {d.question}")
+        return "", f"{sv['opening']}\n{policy}\n\n{record}\n{field_line}\n{note_block}\n{d.request} {d.question}"
     if fmt == "document_qa":
+        head, tail = sv["doc_frame"].format(ref=d.ref).split("|")
+        opening = f"{sv['doc_opening']}\n\n{head}\nTitle: {d.family.subject} file\n"
         if d.rule_at == "before_field":  # same format, the rule moved into the document ahead of the field
-            return "", (f"Read the document, then answer the question.\n\nDOCUMENT {d.ref}\n"
-                        f"Title: {d.family.subject} file\nPolicy: {d.rule_text}\n{f}: {field_text}\n{note_block}"
-                        f"END OF DOCUMENT\n\nQuestion: {d.request} {d.question}")
-        return "", (f"Read the document, then answer the question.\n\nDOCUMENT {d.ref}\n"
-                    f"Title: {d.family.subject} file\n{f}: {field_text}\n{note_block}END OF DOCUMENT\n\n"
+            return "", (f"{opening}{policy}\n{field_line}\n{note_block}{tail}\n\n"
+                        f"Question: {d.request} {d.question}")
+        return "", (f"{opening}{field_line}\n{note_block}{tail}\n\n"
                     f"Question: {d.rule_text} {d.request} {d.question}")
     if fmt == "few_shot":
         shots = "".join(f"Case {r}\n{f}: {v}\n{ANSWER_PREFIX} {a}\n\n" for r, v, a in d.shots)
@@ -401,8 +427,8 @@ def _gated_template() -> Any:
 def build_generated(index: int, seed: int, split: str, fmt: str, *, tokenizer: Any = None, chat: bool = False,
                     distance: int | None = None, counterfactual: float = 0.5, correction: float = 0.0,
                     reasoning: float = 0.0, family: Family | None = None, words: Words | None = None,
-                    draw: int | None = None, n_notes: int | None = None, rule_at: str = "format"
-                    ) -> GeneratedInstance:
+                    draw: int | None = None, n_notes: int | None = None, rule_at: str = "format",
+                    surface: bool = False) -> GeneratedInstance:
     """Render one instance of ``fmt`` from a family of ``split`` (drawn from ``seed`` and ``index``).
 
     ``distance``: target field-to-decision tokens (needs ``tokenizer``); None = ``n_notes`` note lines
@@ -412,7 +438,9 @@ def build_generated(index: int, seed: int, split: str, fmt: str, *, tokenizer: A
     ``index``) keys the random choices: instances with the same ``draw`` share family, values, direction,
     rule and notes, so the cells of a format x distance grid can be paired. ``rule_at``: 'format' (the
     format's own place) or 'before_field' / 'after_field', which moves only the rule (user_turn and
-    document_qa; the rest of the prompt is unchanged).
+    document_qa; the rest of the prompt is unchanged). ``surface``: re-draw the framing text of a format in
+    :data:`SURFACE_VARIED` from :data:`SURFACE_VARIANTS` (training augmentation; other formats ignore it). The
+    variants have their own random stream, so every other choice is that of the same draw without them.
     """
     if fmt not in FORMATS:
         raise KVProbeError(f"format '{fmt}' is not one of {', '.join(FORMATS)}")
@@ -447,6 +475,10 @@ def build_generated(index: int, seed: int, split: str, fmt: str, *, tokenizer: A
         clean = [r for r in t.filler_rules if _clean_line(r, fam)]
         extra = {"template": t, "filler_rules": rng.sample(clean, min(20, len(clean))),
                  "customer": rng.choice(t.customers), "channel": rng.choice(t.channels), "agent": rng.randint(2, 9)}
+    varied = surface and fmt in SURFACE_VARIED
+    if varied:
+        srng = _rng("surface", seed, split, key)
+        extra = {**extra, "surface": {k: srng.choice(v) for k, v in SURFACE_VARIANTS.items()}}
     draw = _Draw(fam, rule_text, ref, request, question, shots, extra, position)
     is_correction = rng.random() < correction
     early_value = rng.choice([permit_value, block_value])
@@ -476,6 +508,8 @@ def build_generated(index: int, seed: int, split: str, fmt: str, *, tokenizer: A
         meta = {"format": fmt, "split": split, "counterfactual": is_cf, "correction": is_correction,
                 "reasoning": is_reasoning, "n_notes": n_notes, "distance_target": distance, "rule_at": position,
                 "value_pair": list(fam.values), "action_pair": list(fam.actions)}
+        if varied:  # only then, so the rows of every earlier instance are unchanged
+            meta["surface"] = True
         if is_correction:
             meta["early_value"] = early_value
         return GeneratedInstance(index=index, scenario=fam.name, family=fam.name, field=fam.field,
