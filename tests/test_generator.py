@@ -273,8 +273,14 @@ def test_seed_spread_scores_every_seed_on_the_same_heldout_pairs(tiny_generator_
     write_seed_spread(tmp_path / "s0", spread)
     assert json.loads((tmp_path / "s0" / "card.json").read_text())["seeds"]["aliases"] == ["tiny-v3-s0", "tiny-v3-s1"]
     table = seed_table(folders=[tmp_path / "s0", tmp_path / "s1"]).splitlines()
-    assert len(table) == 2 + 5 + 1 + sum(len(b["by_format"]) for b in spread["sets"].values()
-                                         if len(b["by_format"]) > 1)  # the card without a spread adds nothing
+    blocks = [*spread["sets"].values(), *spread["diagnostics"].values()]
+    assert len(table) == 2 + 5 + 4 + 1 + sum(len(b["by_format"]) for b in blocks
+                                             if len(b["by_format"]) > 1)  # the card without a spread adds nothing
+    diag = spread["diagnostics"]
+    assert set(diag) == {"diagnostic_validation_families_test_formats", "diagnostic_test_families_few_shot",
+                         "diagnostic_validation_families_few_shot_no_shots", "diagnostic_test_families_few_shot_no_shots"}
+    assert set(diag["diagnostic_validation_families_test_formats"]["by_format"]) <= {"system_user", "tool_call"}
+    assert all(len(d["pair_lds"]) == 2 and d["all"]["n_pairs"] == 2 for d in diag.values())
     other = dict(cards[1], recipe={**cards[1]["recipe"], "steps": 4})
     with pytest.raises(KVProbeError, match="differ in \\['steps'\\]"):
         check_same_recipe([cards[0], other])
@@ -383,6 +389,23 @@ def test_recipe_surface_varies_training_framings_only(tiny_generator_dir):
     held_a, held_b = _eval_sets(lm, plain), _eval_sets(lm, varied)
     for name in held_a:
         assert [p.ids_old for _, p in held_a[name]] == [p.ids_old for _, p in held_b[name]], name
+
+
+def test_few_shot_without_its_cases_is_the_same_draw_minus_the_cases():
+    """n_shots=0 removes few_shot's two decided cases (which name the field with both values) and nothing else."""
+    for i in range(8):
+        full = build_generated(i, 0, "test", "few_shot")
+        bare = build_generated(i, 0, "test", "few_shot", n_shots=0)
+        one = build_generated(i, 0, "test", "few_shot", n_shots=1)
+        cases = re.findall(rf"Case \S+\n{re.escape(full.field)}: \S+\nDecision: \S+\n\n", full.before_field)
+        assert len(cases) == 2 and bare.before_field == full.before_field.replace(cases[0], "").replace(cases[1], "")
+        assert one.before_field == full.before_field.replace(cases[1], "")
+        assert (bare.after_field, bare.old_action, bare.new_action) == (full.after_field, full.old_action, full.new_action)
+        assert bare.meta["n_shots"] == 0 and "n_shots" not in full.meta
+    assert build_generated(0, 0, "test", "user_turn", n_shots=0).before_field == \
+           build_generated(0, 0, "test", "user_turn").before_field  # other formats have no cases
+    with pytest.raises(KVProbeError, match="n_shots must be 0, 1 or 2"):
+        build_generated(0, 0, "test", "few_shot", n_shots=3)
 
 
 def test_seed_spread_accepts_a_second_stage_run_per_seed_and_refuses_crossed_seeds(tmp_path, monkeypatch):

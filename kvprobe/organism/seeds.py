@@ -117,7 +117,7 @@ def seed_spread(folders: list[Path], progress: bool = True) -> dict[str, Any]:
 
     from kvprobe.models.loading import load_model, load_organism
     from kvprobe.models.registry import ModelEntry
-    from kvprobe.organism.train import _eval_sets, data_hash, pair_lds
+    from kvprobe.organism.train import _eval_sets, data_hash, diagnostic_sets, pair_lds
 
     if len(folders) < 2:
         raise KVProbeError("a seed spread needs at least two organisms of one recipe")
@@ -128,11 +128,12 @@ def seed_spread(folders: list[Path], progress: bool = True) -> dict[str, Any]:
     base = load_model(recipe.base_model, device="cpu", dtype="float32")
     sets = _eval_sets(base, recipe)
     eval_hash = data_hash([pair for items in sets.values() for _, pair in items])
-    lds: dict[str, list[list[tuple[float, float]]]] = {name: [] for name in sets}
+    diagnostics = diagnostic_sets(base, recipe)
+    lds: dict[str, list[list[tuple[float, float]]]] = {name: [] for name in [*sets, *diagnostics]}
     for folder, card in tqdm(list(zip(folders, cards)), desc="seeds", disable=not progress):
         entry = ModelEntry(card["alias"], "organism", "", card["base_model"], gguf_file=str(folder))
         lm = load_organism(entry, device="cpu", dtype="float32")
-        for name, items in sets.items():
+        for name, items in [*sets.items(), *diagnostics.items()]:
             lds[name].append([pair_lds(lm.model, pair) for _, pair in items])
     out: dict[str, Any] = {
         "aliases": aliases, "seeds": [c["recipe"]["seed"] for c in cards], "eval_data_hash": eval_hash,
@@ -159,6 +160,11 @@ def seed_spread(folders: list[Path], progress: bool = True) -> dict[str, Any]:
             # statistic can be computed from the card without reloading the organisms.
             "pair_lds": [[[round(a, 3), round(b, 3)] for a, b in lds_s] for lds_s in per_seed],
         }
+    # Outside "sets" (and outside the eval hash, which the cards' own held-out sets must match).
+    out["diagnostics"] = {name: {"all": _group_stats(lds[name], ["all"] * len(items))["all"],
+                                 "by_format": _group_stats(lds[name], [inst.meta["format"] for inst, _ in items]),
+                                 "pair_lds": [[[round(a, 3), round(b, 3)] for a, b in s] for s in lds[name]]}
+                          for name, items in diagnostics.items()}
     out["neutral_perplexity_relative_change"] = mean_sd([c["neutral_perplexity"]["relative_change"] for c in cards])
     out["train_seconds"] = [c.get("train_seconds") for c in cards]
     return out
@@ -191,6 +197,11 @@ SET_LABELS = {"test_train_formats": "test families, train formats",
               "test_corrections": "test families, late corrections",
               "validation_train_formats": "validation families, train formats",
               "validation_unseen_format": "validation families, unseen format"}
+DIAGNOSTIC_LABELS = {
+    "diagnostic_validation_families_test_formats": "diagnostic: validation families, test formats",
+    "diagnostic_test_families_few_shot": "diagnostic: test families, few_shot",
+    "diagnostic_validation_families_few_shot_no_shots": "diagnostic: validation families, few_shot without its cases",
+    "diagnostic_test_families_few_shot_no_shots": "diagnostic: test families, few_shot without its cases"}
 
 
 def seed_table(_results_dir: Any = None, folders: list[Path] | None = None) -> str:
@@ -207,17 +218,18 @@ def seed_table(_results_dir: Any = None, folders: list[Path] | None = None) -> s
         if not spread:
             continue
         who = f"`{card['alias']}` ({', '.join(map(str, spread['seeds']))})"
-        for name in SET_LABELS:
-            block = spread["sets"].get(name)
+        labelled = [(SET_LABELS[n], spread["sets"].get(n)) for n in SET_LABELS]
+        labelled += [(DIAGNOSTIC_LABELS[n], spread.get("diagnostics", {}).get(n)) for n in DIAGNOSTIC_LABELS]
+        for label, block in labelled:
             if block is None:
                 continue
-            fams = block["by_family"].values()
-            right = f"{sum(f['correct_in_all_seeds'] for f in fams)} / {len(fams)}"
+            fams = block.get("by_family", {}).values()
+            right = f"{sum(f['correct_in_all_seeds'] for f in fams)} / {len(fams)}" if fams else "-"
             groups = [("all", block["all"], right)]
             groups += [(fmt, g, "") for fmt, g in block["by_format"].items()] if len(block["by_format"]) > 1 else []
             for fmt, g, r in groups:
                 ignored = _share_cell(g["field_ignored"]) if "field_ignored" in g else "- (spread predates it)"
-                lines.append(f"| {who} | {SET_LABELS[name]} | {fmt} | {g['n_pairs']} | {_cell(g['accuracy'], 2)} | "
+                lines.append(f"| {who} | {label} | {fmt} | {g['n_pairs']} | {_cell(g['accuracy'], 2)} | "
                              f"{_cell(g['median_flip'], 1)} | {ignored} | {r} |")
         ppl = spread["neutral_perplexity_relative_change"]
         lines.append(f"| {who} | neutral-text perplexity change | - | - | - | - | - | {100 * ppl['mean']:+.1f}% +- "

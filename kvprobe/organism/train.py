@@ -411,11 +411,12 @@ def _draw_rng(*key: Any) -> random.Random:
 
 def generated_instance(lm: Any, recipe: Recipe, split: str, formats: tuple[str, ...], seed: int, index: int,
                        counterfactual: float, correction: float, reasoning: float, rule_first: float = 0.0,
-                       surface: float = 0.0) -> Any:
+                       surface: float = 0.0, n_shots: int | None = None) -> Any:
     """One generated instance: format and distance drawn from (seed, split, index); a format whose fixed
     text is longer than the drawn distance gets no note lines. ``rule_first``: probability that a
     field-first format whose rule can move is rendered with the rule before the field (training only).
-    ``surface``: probability that a format with surface variants has its framing re-drawn (training only)."""
+    ``surface``: probability that a format with surface variants has its framing re-drawn (training only).
+    ``n_shots``: few_shot's decided cases kept (None: both; a diagnostic, see :func:`diagnostic_sets`)."""
     from kvprobe.cache_dir import project_path
     from kvprobe.tasks.generator import (FORMAT_RULE_POSITION, RULE_MOVABLE, SURFACE_VARIED, InfeasibleDistance,
                                          build_generated, load_words)
@@ -432,7 +433,7 @@ def generated_instance(lm: Any, recipe: Recipe, split: str, formats: tuple[str, 
     varied = surface > 0 and fmt in SURFACE_VARIED and rng.random() < surface  # drawn last, for the same reason
     kw = dict(tokenizer=lm.tokenizer, chat=lm.has_chat_template, counterfactual=counterfactual,
               correction=correction, reasoning=reasoning, words=load_words(project_path(recipe.words)),
-              rule_at=rule_at, surface=varied)
+              rule_at=rule_at, surface=varied, n_shots=n_shots)
     try:
         return build_generated(index, seed, split, fmt, distance=distance, **kw)
     except InfeasibleDistance:
@@ -578,11 +579,33 @@ def _eval_sets(lm: Any, recipe: Recipe) -> dict[str, list[tuple[Any, Any]]]:
         # Independent of the training seed, so every seed of a recipe is scored on the same instances
         # (equal to the seed-0 draws, which the v3 card was scored on).
         seed = 10_000 + 1_000 * list(specs).index(name)
-        corr = 1.0 if name == "test_corrections" else 0.0
-        insts = [generated_instance(lm, recipe, split, tuple(fmts), seed, i, recipe.counterfactual_rules or 0.5,
-                                    corr, 0.0) for i in range(n)]
-        sets[name] = [(inst, instance_seqs(lm, inst)[0]) for inst in insts]
+        sets[name] = _drawn_set(lm, recipe, split, fmts, n, seed, 1.0 if name == "test_corrections" else 0.0)
     return sets
+
+
+def _drawn_set(lm: Any, recipe: Recipe, split: str, fmts: tuple[str, ...], n: int, seed: int, correction: float,
+               n_shots: int | None = None) -> list[tuple[Any, Any]]:
+    insts = [generated_instance(lm, recipe, split, tuple(fmts), seed, i, recipe.counterfactual_rules or 0.5,
+                                correction, 0.0, n_shots=n_shots) for i in range(n)]
+    return [(inst, instance_seqs(lm, inst)[0]) for inst in insts]
+
+
+DIAGNOSTIC_SETS = {
+    "diagnostic_validation_families_test_formats": ("validation", ("system_user", "tool_call"), 21_000, None),
+    "diagnostic_test_families_few_shot": ("test", ("few_shot",), 20_000, None),
+    "diagnostic_validation_families_few_shot_no_shots": ("validation", ("few_shot",), 10_000, 0),
+    "diagnostic_test_families_few_shot_no_shots": ("test", ("few_shot",), 20_000, 0),
+}
+"""Cells that separate the held-out sets' two differences: validation families (their own rule phrasings)
+against test families, and the few_shot format against the test formats; and few_shot with and without its
+two decided cases. Each no-shots set is its with-shots set's draws (same seed) with the cases removed; the
+validation one pairs with ``validation_unseen_format``. Reported only: never used to choose a recipe."""
+
+
+def diagnostic_sets(lm: Any, recipe: Recipe) -> dict[str, list[tuple[Any, Any]]]:
+    """The :data:`DIAGNOSTIC_SETS` (``val_instances`` pairs each), drawn as the held-out sets are."""
+    return {name: _drawn_set(lm, recipe, split, fmts, recipe.val_instances, seed, 0.0, n_shots)
+            for name, (split, fmts, seed, n_shots) in DIAGNOSTIC_SETS.items()}
 
 
 def _v3_train_examples(lm: Any, recipe: Recipe, start: int, n: int) -> list[tuple[Any, Any, tuple[Seq, Seq]]]:

@@ -428,7 +428,7 @@ def build_generated(index: int, seed: int, split: str, fmt: str, *, tokenizer: A
                     distance: int | None = None, counterfactual: float = 0.5, correction: float = 0.0,
                     reasoning: float = 0.0, family: Family | None = None, words: Words | None = None,
                     draw: int | None = None, n_notes: int | None = None, rule_at: str = "format",
-                    surface: bool = False) -> GeneratedInstance:
+                    surface: bool = False, n_shots: int | None = None) -> GeneratedInstance:
     """Render one instance of ``fmt`` from a family of ``split`` (drawn from ``seed`` and ``index``).
 
     ``distance``: target field-to-decision tokens (needs ``tokenizer``); None = ``n_notes`` note lines
@@ -441,9 +441,14 @@ def build_generated(index: int, seed: int, split: str, fmt: str, *, tokenizer: A
     document_qa; the rest of the prompt is unchanged). ``surface``: re-draw the framing text of a format in
     :data:`SURFACE_VARIED` from :data:`SURFACE_VARIANTS` (training augmentation; other formats ignore it). The
     variants have their own random stream, so every other choice is that of the same draw without them.
+    ``n_shots``: keep only the first ``n_shots`` of few_shot's two decided cases (None: both; 0: none), a
+    diagnostic that removes the cases, which name the same field with both values; every other choice is
+    the same draw's.
     """
     if fmt not in FORMATS:
         raise KVProbeError(f"format '{fmt}' is not one of {', '.join(FORMATS)}")
+    if n_shots is not None and not 0 <= n_shots <= 2:
+        raise KVProbeError(f"n_shots must be 0, 1 or 2 (few_shot has two decided cases), got {n_shots}")
     position = rule_position(fmt, rule_at)
     if distance is not None and tokenizer is None:
         raise KVProbeError("a target distance needs the tokenizer that will read the prompt")
@@ -468,7 +473,7 @@ def build_generated(index: int, seed: int, split: str, fmt: str, *, tokenizer: A
     shot_values = [permit_value, block_value]
     rng.shuffle(shot_values)
     shots = tuple((f"{rng.choice('ABCDEFGHJKLMNPQRSTUVWXYZ')}{rng.randint(1000, 9999)}", v, act[v])
-                  for v in shot_values)
+                  for v in shot_values)[:n_shots]
     extra: dict[str, Any] = {}
     if fmt == "gated_template":
         t = _gated_template()
@@ -510,6 +515,8 @@ def build_generated(index: int, seed: int, split: str, fmt: str, *, tokenizer: A
                 "value_pair": list(fam.values), "action_pair": list(fam.actions)}
         if varied:  # only then, so the rows of every earlier instance are unchanged
             meta["surface"] = True
+        if n_shots is not None and fmt == "few_shot":
+            meta["n_shots"] = n_shots
         if is_correction:
             meta["early_value"] = early_value
         return GeneratedInstance(index=index, scenario=fam.name, family=fam.name, field=fam.field,
