@@ -79,8 +79,8 @@ class Recipe:
     rule_first: float = 0.0
     # Probability that a training instance of a format with surface variants (user_turn, document_qa) has
     # its framing text re-drawn (generator.SURFACE_VARIANTS: opening line, labels, record header, field
-    # separator, note bullet). Why: seeds that learn the three fixed framings ignore the field in unseen
-    # formats; varied framings leave the rule read through the field as the only constant.
+    # separator, note bullet). Why: seeds that learn the three fixed framings might ignore the field in unseen
+    # formats. Tried as smollm2-135m-gated-v3s (0.5, three seeds): no better on validation, not adopted.
     surface: float = 0.0
     # Calibration. loss "ce": cross-entropy of the action token (v1/v2). "capped": a squared hinge on the
     # two-way action logit difference that is zero beyond ``margin`` nats, plus cross-entropy floored at
