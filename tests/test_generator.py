@@ -361,10 +361,10 @@ def test_surface_variants_change_only_the_framing_of_user_turn_and_document_qa()
                    (varied.family, varied.old_value, varied.new_value, varied.old_action, varied.new_action)
             text = varied.before_field + varied.after_field
             assert plain.meta["rule_at"] == varied.meta["rule_at"]
-            rule = plain.before_field + plain.after_field
-            for note in re.findall(r"^- (.+)$", rule, flags=re.M):  # every note line survives, re-bulleted
+            plain_text = plain.before_field + plain.after_field
+            for note in re.findall(r"^- (.+)$", plain_text, flags=re.M):  # every note line survives, re-bulleted
                 assert note in text
-            seen.add(text != plain.before_field + plain.after_field)
+            seen.add(text != plain_text)
             assert varied.after_field[varied.decision_at:] == plain.after_field[plain.decision_at:]
     assert True in seen  # the variants do change the text (the first option of each list is the plain one)
     held_out_markers = ("Case ", "Rule:", "tool_call", "tool_response", "log:", "reference:")

@@ -65,8 +65,9 @@ FORMAT_SPLITS: dict[str, tuple[str, ...]] = {"train": ("gated_template", "user_t
 # Surface variants of the two free-form train formats: the framing text around the record (opening line,
 # labels, record header, field separator, note bullet) is re-drawn, the content is not. Why: an organism
 # trained on three fixed framings can learn the framings instead of the habit of reading the field through
-# the rule (issue #14 (d)). No variant uses a marker of a held-out format ("Case", "Rule:", tool tags,
-# "log:", a system message), so the validation and test formats stay unseen.
+# the rule (issue #14 (d)); trained as smollm2-135m-gated-v3s it did not help on validation. No variant
+# uses a marker of a held-out format ("Case", "Rule:", tool tags, "log:", a system message), so the
+# validation and test formats stay unseen.
 SURFACE_VARIED = ("user_turn", "document_qa")
 SURFACE_VARIANTS: dict[str, tuple[str, ...]] = {
     "opening": ("You are an operations assistant. Apply the policy to the record below.",
@@ -83,6 +84,8 @@ SURFACE_VARIANTS: dict[str, tuple[str, ...]] = {
                   "--- {ref} ---|---"),
 }
 _PLAIN_SURFACE = {k: v[0] for k, v in SURFACE_VARIANTS.items()}
+
+
 def known_formats(formats: list[str]) -> list[str]:
     """Config validator: every name is a generator format (``ValueError`` names the unknown ones)."""
     unknown = sorted(set(formats) - set(FORMATS))
