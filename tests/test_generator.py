@@ -427,3 +427,13 @@ def test_seed_spread_accepts_a_second_stage_run_per_seed_and_refuses_crossed_see
         seeds_mod.check_same_recipe([card("stage2", 0, "stage1"),
                                      {**card("stage2-seed1", 1, "stage1-seed1"),
                                       "recipe": {**card("x", 1, "stage1-seed1")["recipe"], "steps": 7}}])
+
+
+def test_generated_stats_median_is_the_true_median_for_even_pair_counts():
+    from kvprobe.organism.train import _stats
+
+    lds = [(-1.0, 0.0), (-1.0, 1.0), (0.0, 3.0), (-2.0, 8.0)]  # flips 1, 2, 3, 10
+    stats = _stats(lds)
+    assert stats["median_flip"] == 2.5  # the upper median would be 3
+    assert stats["accuracy"] == 6 / 8  # (0.0, 3.0) is wrong on the old prompt, (-1.0, 0.0) on the new one
+    assert _stats(lds[:3])["median_flip"] == 2.0

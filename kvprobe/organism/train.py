@@ -18,6 +18,7 @@ import json
 import math
 import random
 import re
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -201,8 +202,7 @@ def evaluate(model: Any, pairs: list[Any]) -> dict[str, Any]:
             lds.append(float(logits[p.new_action_id] - logits[p.old_action_id]))
         correct += (lds[0] < 0) + (lds[1] > 0)
         flips.append(lds[1] - lds[0])
-    flips_sorted = sorted(flips)
-    return {"accuracy": correct / (2 * len(pairs)), "median_flip": flips_sorted[len(flips) // 2],
+    return {"accuracy": correct / (2 * len(pairs)), "median_flip": statistics.median(flips),
             "mean_flip": sum(flips) / len(flips), "frac_flip_ge_1": sum(f >= 1 for f in flips) / len(flips),
             "n_pairs": len(pairs), "min_field_to_decision_tokens": min(len(p) - p.field_slots[-1] for p in pairs)}
 
@@ -542,9 +542,11 @@ def pair_lds(model: Any, pair: Any) -> tuple[float, float]:
 
 
 def _stats(lds: list[tuple[float, float]]) -> dict[str, Any]:
-    flips = sorted(b - a for a, b in lds)
+    flips = [b - a for a, b in lds]
     n = len(lds)
-    return {"accuracy": sum((a < 0) + (b > 0) for a, b in lds) / (2 * n), "median_flip": flips[n // 2],
+    # The true median (mean of the two middle flips for even n), as in the seed spread; cards written before
+    # this change hold the upper median.
+    return {"accuracy": sum((a < 0) + (b > 0) for a, b in lds) / (2 * n), "median_flip": statistics.median(flips),
             "mean_flip": sum(flips) / n, "frac_flip_ge_1": sum(f >= 1 for f in flips) / n, "n_pairs": n}
 
 
