@@ -76,7 +76,8 @@ class Recipe:
     # rendered rule-first instead (rule_at='before_field'). Why: the unseen test formats (system_user,
     # tool_call) and the validation format (few_shot) put the rule before the field, and user_turn is the
     # only train format that does; seeds that never learned user_turn never transferred. The test formats
-    # themselves stay untrained; validation and test draws are unaffected.
+    # themselves stay untrained; validation and test draws are unaffected. Continued at 1.0
+    # (smollm2-135m-gated-v3u), seed 0 leaves chance; an equal-steps control at 0.5 matches it on validation.
     rule_first: float = 0.0
     # Probability that a training instance of a format with surface variants (user_turn, document_qa) has
     # its framing text re-drawn (generator.SURFACE_VARIANTS: opening line, labels, record header, field
