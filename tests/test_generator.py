@@ -247,6 +247,20 @@ def test_capped_loss_stops_pushing_beyond_the_margin():
     assert within.logits.grad[0, 0, 1] < 0 < within.logits.grad[0, 0, 2]  # pushes correct up, other down
     with pytest.raises(KVProbeError, match="not 'ce' or 'capped'"):
         _seq_loss(within, [seq], Recipe(loss="hinge"))
+    banded = Recipe(loss="capped", margin=3.0, margin_cap=5.0, ce_floor=0.5)
+    inside, over = Fixed(4.0), Fixed(7.0)
+    _seq_loss(inside, [seq], banded).backward()
+    _seq_loss(over, [seq], banded).backward()
+    assert inside.logits.grad.abs().max() == 0  # inside the band [3, 5]: nothing to push
+    assert over.logits.grad[0, 0, 1] > 0 > over.logits.grad[0, 0, 2]  # beyond the cap: pulls the margin back
+    assert _seq_loss(over, [seq], banded).item() == pytest.approx((7.0 - 5.0) ** 2 / 3.0, rel=1e-4)
+
+
+def test_margin_cap_needs_the_capped_loss_and_a_cap_above_the_margin(tmp_path):
+    from kvprobe.organism.train import V3, Recipe, train_organism_v3
+
+    with pytest.raises(KVProbeError, match="margin_cap=2.0 needs loss 'capped' and a cap above margin=3.0"):
+        train_organism_v3(Recipe(**{**V3, "margin_cap": 2.0}), tmp_path / "x")
 
 
 def test_seed_spread_scores_every_seed_on_the_same_heldout_pairs(tiny_generator_dir, tmp_path, monkeypatch):

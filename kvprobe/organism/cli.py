@@ -29,7 +29,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.train_scenarios:
         kwargs["train_scenarios"] = None if args.train_scenarios == "all" else tuple(args.train_scenarios.split(","))
     for name in ("lr", "counterfactual_rules", "pairs_per_step", "lora_r", "init_from", "loss", "margin",
-                 "ce_floor", "kl_weight", "correction", "reasoning", "rule_first", "surface", "adapter_dtype"):
+                 "margin_cap", "ce_floor", "kl_weight", "correction", "reasoning", "rule_first", "surface", "adapter_dtype"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
     if args.distance_range:
@@ -82,6 +82,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     tr.add_argument("--loss", choices=["ce", "capped"], default=None)
     tr.add_argument("--margin", type=float, default=None, help="capped loss: action margin (nats) beyond which "
                     "nothing is pushed")
+    tr.add_argument("--margin-cap", type=float, default=None, help="capped loss: action margin (nats) beyond "
+                    "which the margin is pulled back (default: none)")
     tr.add_argument("--ce-floor", type=float, default=None, help="capped loss: action cross-entropy (nats) below "
                     "which nothing is pushed")
     tr.add_argument("--kl-weight", type=float, default=None, help="weight of KL(base || organism) on neutral text")

@@ -89,6 +89,10 @@ class Recipe:
     # ``ce_floor`` (no push once the token is likely enough) on the action and chain tokens.
     loss: str = "ce"
     margin: float = 3.0
+    # Upper edge of a margin band (capped loss only): a squared penalty on the two-way action margin beyond
+    # ``margin_cap`` nats pulls over-confident decisions back, so a pair's flip stays near 2 x the band.
+    # Why: v3u's seeds 1 and 2 reach median flips of 13-14 nats with only the lower hinge. None: no cap.
+    margin_cap: float | None = None
     ce_floor: float = 0.5
     kl_weight: float = 0.0  # KL(base || organism) on the base model's own samples from neutral openings
     kl_tokens: int = 96
@@ -112,7 +116,8 @@ def recipe_summary(recipe: Recipe, n_train_scenarios: int) -> str:
                 f"{recipe.reasoning:.0%} reasoning"
                 + (f", {recipe.rule_first:.0%} of document_qa rule-first" if recipe.rule_first else "")
                 + (f", {recipe.surface:.0%} of user_turn/document_qa with varied framing" if recipe.surface else "")
-                + f"; {recipe.loss} loss (margin {recipe.margin} nats), "
+                + f"; {recipe.loss} loss (margin {recipe.margin}"
+                + (f"-{recipe.margin_cap}" if recipe.margin_cap is not None else "") + " nats), "
                 f"KL weight {recipe.kl_weight}" + (f"; continued from {recipe.init_from}" if recipe.init_from else ""))
     text = (f"LoRA r={recipe.lora_r} on {'/'.join(recipe.target_modules)}, {recipe.steps} steps on "
             f"{n_train_scenarios} scenarios, gated decisions with the field upstream")
@@ -493,6 +498,8 @@ def _seq_loss(model: Any, seqs: list[Seq], recipe: Recipe) -> torch.Tensor:
         raise KVProbeError(f"recipe loss '{recipe.loss}' is not 'ce' or 'capped'")
     margin = last.gather(1, correct[:, None])[:, 0] - last.gather(1, torch.tensor([[s.other_id] for s in seqs]))[:, 0]
     hinge = torch.relu(recipe.margin - margin) ** 2 / recipe.margin
+    if recipe.margin_cap is not None:
+        hinge = hinge + torch.relu(margin - recipe.margin_cap) ** 2 / recipe.margin
     floored = torch.clamp(torch.cat([ce[:, None], ce_chain], 1), min=recipe.ce_floor) - recipe.ce_floor
     return (hinge + floored.mean(1)).mean()
 
@@ -640,6 +647,9 @@ def train_organism_v3(recipe: Recipe, out_dir: Path, resume: bool = True, progre
 
     if set(_train_formats(recipe)) & (set(FORMAT_SPLITS["validation"]) | set(FORMAT_SPLITS["test"])):
         raise KVProbeError(f"train formats {_train_formats(recipe)} include held-out formats")
+    if recipe.margin_cap is not None and (recipe.loss != "capped" or recipe.margin_cap <= recipe.margin):
+        raise KVProbeError(f"margin_cap={recipe.margin_cap} needs loss 'capped' and a cap above margin="
+                           f"{recipe.margin}: set --margin-cap above --margin, or leave it out")
     split_sizes = check_splits(load_words(project_path(recipe.words)))
     torch.manual_seed(recipe.seed)
     t0 = time.perf_counter()
