@@ -92,6 +92,8 @@ class Recipe:
     # Upper edge of a margin band (capped loss only): a squared penalty on the two-way action margin beyond
     # ``margin_cap`` nats pulls over-confident decisions back, so a pair's flip stays near 2 x the band.
     # Why: v3u's seeds 1 and 2 reach median flips of 13-14 nats with only the lower hinge. None: no cap.
+    # Tried as a 50-step continuation of v3u seeds 1 and 2 (smollm2-135m-gated-v3b: cap 4; -v3b6: cap 6): the
+    # flips fall into the 2-10 goal and test accuracy falls with them; not better on validation, not adopted.
     margin_cap: float | None = None
     ce_floor: float = 0.5
     kl_weight: float = 0.0  # KL(base || organism) on the base model's own samples from neutral openings
