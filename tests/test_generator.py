@@ -451,3 +451,41 @@ def test_generated_stats_median_is_the_true_median_for_even_pair_counts():
     assert stats["median_flip"] == 2.5  # the upper median would be 3
     assert stats["accuracy"] == 6 / 8  # (0.0, 3.0) is wrong on the old prompt, (-1.0, 0.0) on the new one
     assert _stats(lds[:3])["median_flip"] == 2.0
+
+
+def test_prior_cases_add_two_decided_records_and_change_nothing_else():
+    """prior_cases=True puts two earlier records of the same field (one per value, each with the action the
+    rule gives it) ahead of the open record in user_turn / document_qa only; the rest of the draw is the same,
+    and the block carries no marker of few_shot (the validation format)."""
+    from kvprobe.tasks.generator import PRIOR_CASES_FORMATS
+
+    for fmt in FORMATS:
+        for i in range(8):
+            plain = build_generated(i, 0, "train", fmt, correction=0.3, reasoning=0.3)
+            prior = build_generated(i, 0, "train", fmt, correction=0.3, reasoning=0.3, prior_cases=True)
+            if fmt not in PRIOR_CASES_FORMATS:
+                assert (plain.before_field, plain.after_field) == (prior.before_field, prior.after_field)
+                assert "prior_cases" not in prior.meta
+                continue
+            block = re.search(r"Earlier \w+ records, already resolved by this policy:\n((?:.+\n){2})\n",
+                              prior.before_field)
+            assert block and prior.before_field.replace(block.group(0), "") == plain.before_field
+            assert prior.after_field == plain.after_field and prior.meta["prior_cases"] is True
+            decided = dict(re.findall(rf"{re.escape(prior.field)}: (\S+); resolved as (\S+)", block.group(1)))
+            assert decided == {plain.old_value: plain.old_action, plain.new_value: plain.new_action}
+            assert not any(m in block.group(0) for m in ("Case ", "Rule:", "Decide each case", "Decision:"))
+
+
+def test_recipe_prior_cases_changes_training_draws_only(tiny_generator_dir):
+    from kvprobe.models.loading import load_model
+    from kvprobe.organism.train import _eval_sets, _v3_train_examples
+
+    lm = load_model(str(tiny_generator_dir))
+    plain, prior = _v3(tiny_generator_dir, rule_first=0.5), _v3(tiny_generator_dir, rule_first=0.5, prior_cases=1.0)
+    a, b = _v3_train_examples(lm, plain, 0, 24), _v3_train_examples(lm, prior, 0, 24)
+    assert [(i.meta["format"], i.meta["rule_at"], i.family) for i, _, _ in a] == \
+           [(i.meta["format"], i.meta["rule_at"], i.family) for i, _, _ in b]
+    assert {i.meta["format"] for i, _, _ in b if i.meta.get("prior_cases")} == {"user_turn", "document_qa"}
+    held_a, held_b = _eval_sets(lm, plain), _eval_sets(lm, prior)
+    for name in held_a:
+        assert [p.ids_old for _, p in held_a[name]] == [p.ids_old for _, p in held_b[name]], name

@@ -29,7 +29,8 @@ def _train(args: argparse.Namespace) -> int:
     if args.train_scenarios:
         kwargs["train_scenarios"] = None if args.train_scenarios == "all" else tuple(args.train_scenarios.split(","))
     for name in ("lr", "counterfactual_rules", "pairs_per_step", "lora_r", "init_from", "loss", "margin",
-                 "margin_cap", "ce_floor", "kl_weight", "correction", "reasoning", "rule_first", "surface", "adapter_dtype"):
+                 "margin_cap", "ce_floor", "kl_weight", "correction", "reasoning", "rule_first", "surface",
+                 "prior_cases", "adapter_dtype"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
     if args.distance_range:
@@ -93,6 +94,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="probability that a document_qa training instance puts its rule before the field (v3)")
     tr.add_argument("--surface", type=float, default=None,
                     help="probability that a user_turn / document_qa training instance has its framing re-drawn (v3)")
+    tr.add_argument("--prior-cases", type=float, default=None,
+                    help="probability that a user_turn / document_qa training instance shows two earlier decided "
+                    "records of its field (v3)")
     tr.add_argument("--distance-range", default=None, help="lo,hi field-to-decision tokens (v3)")
     tr.add_argument("--adapter-dtype", choices=["float32", "float16"], default=None)
     tr.add_argument("--out", default=None, help="adapter folder (default: inside kvprobe/organism/organisms/)")

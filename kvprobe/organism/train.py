@@ -84,6 +84,9 @@ class Recipe:
     # separator, note bullet). Why: seeds that learn the three fixed framings might ignore the field in unseen
     # formats. Tried as smollm2-135m-gated-v3s (0.5, three seeds): no better on validation, not adopted.
     surface: float = 0.0
+    # Probability that a user_turn / document_qa training instance shows two earlier decided records of the
+    # same field, one per value (generator.PRIOR_CASES_FORMATS). Why: few_shot fails on its decided cases.
+    prior_cases: float = 0.0
     # Calibration. loss "ce": cross-entropy of the action token (v1/v2). "capped": a squared hinge on the
     # two-way action logit difference that is zero beyond ``margin`` nats, plus cross-entropy floored at
     # ``ce_floor`` (no push once the token is likely enough) on the action and chain tokens.
@@ -118,6 +121,8 @@ def recipe_summary(recipe: Recipe, n_train_scenarios: int) -> str:
                 f"{recipe.reasoning:.0%} reasoning"
                 + (f", {recipe.rule_first:.0%} of document_qa rule-first" if recipe.rule_first else "")
                 + (f", {recipe.surface:.0%} of user_turn/document_qa with varied framing" if recipe.surface else "")
+                + (f", {recipe.prior_cases:.0%} of user_turn/document_qa with earlier decided records"
+                   if recipe.prior_cases else "")
                 + f"; {recipe.loss} loss (margin {recipe.margin}"
                 + (f"-{recipe.margin_cap}" if recipe.margin_cap is not None else "") + " nats), "
                 f"KL weight {recipe.kl_weight}" + (f"; continued from {recipe.init_from}" if recipe.init_from else ""))
@@ -419,15 +424,16 @@ def _draw_rng(*key: Any) -> random.Random:
 
 def generated_instance(lm: Any, recipe: Recipe, split: str, formats: tuple[str, ...], seed: int, index: int,
                        counterfactual: float, correction: float, reasoning: float, rule_first: float = 0.0,
-                       surface: float = 0.0, n_shots: int | None = None) -> Any:
+                       surface: float = 0.0, n_shots: int | None = None, prior_cases: float = 0.0) -> Any:
     """One generated instance: format and distance drawn from (seed, split, index); a format whose fixed
     text is longer than the drawn distance gets no note lines. ``rule_first``: probability that a
     field-first format whose rule can move is rendered with the rule before the field (training only).
     ``surface``: probability that a format with surface variants has its framing re-drawn (training only).
-    ``n_shots``: few_shot's decided cases kept (None: both; a diagnostic, see :func:`diagnostic_sets`)."""
+    ``n_shots``: few_shot's decided cases kept (None: both; a diagnostic, see :func:`diagnostic_sets`).
+    ``prior_cases``: probability of earlier decided records in a user_turn / document_qa instance (training)."""
     from kvprobe.cache_dir import project_path
-    from kvprobe.tasks.generator import (FORMAT_RULE_POSITION, RULE_MOVABLE, SURFACE_VARIED, InfeasibleDistance,
-                                         build_generated, load_words)
+    from kvprobe.tasks.generator import (FORMAT_RULE_POSITION, PRIOR_CASES_FORMATS, RULE_MOVABLE, SURFACE_VARIED,
+                                         InfeasibleDistance, build_generated, load_words)
 
     rng = _draw_rng("organism-v3", seed, split, index)
     fmt = formats[rng.randrange(len(formats))]
@@ -439,9 +445,10 @@ def generated_instance(lm: Any, recipe: Recipe, split: str, formats: tuple[str, 
             and rng.random() < rule_first:
         rule_at = "before_field"
     varied = surface > 0 and fmt in SURFACE_VARIED and rng.random() < surface  # drawn last, for the same reason
+    with_prior = prior_cases > 0 and fmt in PRIOR_CASES_FORMATS and rng.random() < prior_cases  # after it, likewise
     kw = dict(tokenizer=lm.tokenizer, chat=lm.has_chat_template, counterfactual=counterfactual,
               correction=correction, reasoning=reasoning, words=load_words(project_path(recipe.words)),
-              rule_at=rule_at, surface=varied, n_shots=n_shots)
+              rule_at=rule_at, surface=varied, n_shots=n_shots, prior_cases=with_prior)
     try:
         return build_generated(index, seed, split, fmt, distance=distance, **kw)
     except InfeasibleDistance:
@@ -625,7 +632,7 @@ def _v3_train_examples(lm: Any, recipe: Recipe, start: int, n: int) -> list[tupl
     for i in range(start, start + n):
         inst = generated_instance(lm, recipe, "train", _train_formats(recipe), recipe.seed, i,
                                   recipe.counterfactual_rules, recipe.correction, recipe.reasoning, recipe.rule_first,
-                                  recipe.surface)
+                                  recipe.surface, prior_cases=recipe.prior_cases)
         pair, seqs = instance_seqs(lm, inst)
         out.append((inst, pair, seqs))
     return out
@@ -734,6 +741,7 @@ def train_organism_v3(recipe: Recipe, out_dir: Path, resume: bool = True, progre
                  # every pair whose rule precedes the field: user_turn's own layout and moved document_qa
                  "train_rule_first_pairs": sum(i.meta["rule_at"] == "before_field" for i, _, _ in train_examples),
                  "train_surface_varied_pairs": sum(bool(i.meta.get("surface")) for i, _, _ in train_examples),
+                 "train_prior_cases_pairs": sum(bool(i.meta.get("prior_cases")) for i, _, _ in train_examples),
                  "train_pairs_by_format": {f: sum(i.meta["format"] == f for i, _, _ in train_examples)
                                            for f in _train_formats(recipe)}},
         "train_families": train_fams,

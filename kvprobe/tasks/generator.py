@@ -69,6 +69,12 @@ FORMAT_SPLITS: dict[str, tuple[str, ...]] = {"train": ("gated_template", "user_t
 # uses a marker of a held-out format ("Case", "Rule:", tool tags, "log:", a system message), so the
 # validation and test formats stay unseen.
 SURFACE_VARIED = ("user_turn", "document_qa")
+# Earlier decided records in the two free-form train formats: two past records of the same field, one per
+# value, each with the action this rule gives it, ahead of the open record. Why: few_shot (validation) fails
+# because of its two decided cases (without them the test families score 0.81-1.00), and no train format
+# shows the field's other value with an answer before the decision. Rendered without few_shot's markers
+# ("Case", "Rule:", "Decide each case", the answer prefix), so few_shot stays an unseen format.
+PRIOR_CASES_FORMATS = ("user_turn", "document_qa")
 SURFACE_VARIANTS: dict[str, tuple[str, ...]] = {
     "opening": ("You are an operations assistant. Apply the policy to the record below.",
                 "Apply the policy to the record that follows.", "Check the record against the policy, then decide.",
@@ -346,10 +352,19 @@ def _surface(d: _Draw) -> dict[str, str]:
     return d.extra.get("surface", _PLAIN_SURFACE)
 
 
+def _prior_block(d: _Draw, separator: str) -> str:
+    prior = d.extra.get("prior_cases")
+    if not prior:
+        return ""
+    lines = "".join(f"{r}: {d.family.field}{separator}{v}; resolved as {a}\n" for r, v, a in prior)
+    return f"Earlier {d.family.subject} records, already resolved by this policy:\n{lines}\n"
+
+
 def _body(fmt: str, d: _Draw, field_text: str, notes: list[str]) -> tuple[str, str]:
     """(system message, body) of a format with ``field_text`` as the field's value and the note lines."""
     f = d.family.field
     sv = _surface(d)
+    prior = _prior_block(d, sv["separator"])
     note_block = "\n".join(_note_line(fmt, n, sv["bullet"]) for n in notes)
     note_block = note_block + "\n" if note_block else ""
     if fmt == "system_user":
@@ -360,12 +375,13 @@ def _body(fmt: str, d: _Draw, field_text: str, notes: list[str]) -> tuple[str, s
     if fmt == "user_turn":
         record = sv["record_header"].format(ref=d.ref)
         if d.rule_at == "after_field":  # same format, the rule moved after the record (field first)
-            return "", (f"{sv['opening']}\n\n{record}\n{field_line}\n{note_block}{policy}\n\n"
+            return "", (f"{sv['opening']}\n\n{prior}{record}\n{field_line}\n{note_block}{policy}\n\n"
                         f"{d.request} {d.question}")
-        return "", f"{sv['opening']}\n{policy}\n\n{record}\n{field_line}\n{note_block}\n{d.request} {d.question}"
+        return "", (f"{sv['opening']}\n{policy}\n\n{prior}{record}\n{field_line}\n{note_block}\n"
+                    f"{d.request} {d.question}")
     if fmt == "document_qa":
         head, tail = sv["doc_frame"].format(ref=d.ref).split("|")
-        opening = f"{sv['doc_opening']}\n\n{head}\nTitle: {d.family.subject} file\n"
+        opening = f"{sv['doc_opening']}\n\n{prior}{head}\nTitle: {d.family.subject} file\n"
         if d.rule_at == "before_field":  # same format, the rule moved into the document ahead of the field
             return "", (f"{opening}{policy}\n{field_line}\n{note_block}{tail}\n\n"
                         f"Question: {d.request} {d.question}")
@@ -431,7 +447,8 @@ def build_generated(index: int, seed: int, split: str, fmt: str, *, tokenizer: A
                     distance: int | None = None, counterfactual: float = 0.5, correction: float = 0.0,
                     reasoning: float = 0.0, family: Family | None = None, words: Words | None = None,
                     draw: int | None = None, n_notes: int | None = None, rule_at: str = "format",
-                    surface: bool = False, n_shots: int | None = None) -> GeneratedInstance:
+                    surface: bool = False, n_shots: int | None = None, prior_cases: bool = False
+                    ) -> GeneratedInstance:
     """Render one instance of ``fmt`` from a family of ``split`` (drawn from ``seed`` and ``index``).
 
     ``distance``: target field-to-decision tokens (needs ``tokenizer``); None = ``n_notes`` note lines
@@ -446,7 +463,9 @@ def build_generated(index: int, seed: int, split: str, fmt: str, *, tokenizer: A
     variants have their own random stream, so every other choice is that of the same draw without them.
     ``n_shots``: keep only the first ``n_shots`` of few_shot's two decided cases (None: both; 0: none), a
     diagnostic that removes the cases, which name the same field with both values; every other choice is
-    the same draw's.
+    the same draw's. ``prior_cases``: put two earlier records of the same field, one per value, each with
+    the action this rule gives it, ahead of the open record (:data:`PRIOR_CASES_FORMATS` only; training
+    augmentation). They have their own random stream, so every other choice is the same draw's.
     """
     if fmt not in FORMATS:
         raise KVProbeError(f"format '{fmt}' is not one of {', '.join(FORMATS)}")
@@ -487,6 +506,13 @@ def build_generated(index: int, seed: int, split: str, fmt: str, *, tokenizer: A
     if varied:
         srng = _rng("surface", seed, split, key)
         extra = {**extra, "surface": {k: srng.choice(v) for k, v in SURFACE_VARIANTS.items()}}
+    with_prior = prior_cases and fmt in PRIOR_CASES_FORMATS
+    if with_prior:
+        prng = _rng("prior", seed, split, key)
+        prior_values = [permit_value, block_value]
+        prng.shuffle(prior_values)
+        prior_refs = [f"{prng.choice('ABCDEFGHJKLMNPQRSTUVWXYZ')}{prng.randint(1000, 9999)}" for _ in prior_values]
+        extra = {**extra, "prior_cases": tuple((r, v, act[v]) for r, v in zip(prior_refs, prior_values))}
     draw = _Draw(fam, rule_text, ref, request, question, shots, extra, position)
     is_correction = rng.random() < correction
     early_value = rng.choice([permit_value, block_value])
@@ -518,6 +544,8 @@ def build_generated(index: int, seed: int, split: str, fmt: str, *, tokenizer: A
                 "value_pair": list(fam.values), "action_pair": list(fam.actions)}
         if varied:  # only then, so the rows of every earlier instance are unchanged
             meta["surface"] = True
+        if with_prior:
+            meta["prior_cases"] = True
         if n_shots is not None and fmt == "few_shot":
             meta["n_shots"] = n_shots
         if is_correction:
