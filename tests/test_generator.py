@@ -355,6 +355,22 @@ def test_rule_first_moves_the_rule_in_training_document_qa_only(tiny_generator_d
         assert [p.ids_old for _, p in held_a[name]] == [p.ids_old for _, p in held_b[name]], name
 
 
+def _augmented_draws(applies_to: tuple[str, ...], **option: bool):
+    """(plain, augmented) training draws of every format a generator augmentation applies to; asserts that
+    the other formats ignore it and that only augmented instances carry its meta flag."""
+    (flag,) = option
+    for fmt in FORMATS:
+        for i in range(12):
+            plain = build_generated(i, 0, "train", fmt, correction=0.3, reasoning=0.3)
+            augmented = build_generated(i, 0, "train", fmt, correction=0.3, reasoning=0.3, **option)
+            if fmt not in applies_to:
+                assert (plain.before_field, plain.after_field) == (augmented.before_field, augmented.after_field)
+                assert flag not in augmented.meta
+                continue
+            assert augmented.meta[flag] is True and flag not in plain.meta
+            yield plain, augmented
+
+
 def test_surface_variants_change_only_the_framing_of_user_turn_and_document_qa():
     """surface=True re-draws the framing (opening, labels, header, separator, bullet) of the two free-form
     train formats and nothing else: same family, values, actions, rule and notes; other formats ignore it;
@@ -362,24 +378,16 @@ def test_surface_variants_change_only_the_framing_of_user_turn_and_document_qa()
     from kvprobe.tasks.generator import SURFACE_VARIANTS, SURFACE_VARIED
 
     seen = set()
-    for fmt in FORMATS:
-        for i in range(12):
-            plain = build_generated(i, 0, "train", fmt, correction=0.3, reasoning=0.3)
-            varied = build_generated(i, 0, "train", fmt, correction=0.3, reasoning=0.3, surface=True)
-            if fmt not in SURFACE_VARIED:
-                assert (plain.before_field, plain.after_field) == (varied.before_field, varied.after_field)
-                assert "surface" not in varied.meta
-                continue
-            assert varied.meta["surface"] is True and "surface" not in plain.meta
-            assert (plain.family, plain.old_value, plain.new_value, plain.old_action, plain.new_action) == \
-                   (varied.family, varied.old_value, varied.new_value, varied.old_action, varied.new_action)
-            text = varied.before_field + varied.after_field
-            assert plain.meta["rule_at"] == varied.meta["rule_at"]
-            plain_text = plain.before_field + plain.after_field
-            for note in re.findall(r"^- (.+)$", plain_text, flags=re.M):  # every note line survives, re-bulleted
-                assert note in text
-            seen.add(text != plain_text)
-            assert varied.after_field[varied.decision_at:] == plain.after_field[plain.decision_at:]
+    for plain, varied in _augmented_draws(SURFACE_VARIED, surface=True):
+        assert (plain.family, plain.old_value, plain.new_value, plain.old_action, plain.new_action) == \
+               (varied.family, varied.old_value, varied.new_value, varied.old_action, varied.new_action)
+        text = varied.before_field + varied.after_field
+        assert plain.meta["rule_at"] == varied.meta["rule_at"]
+        plain_text = plain.before_field + plain.after_field
+        for note in re.findall(r"^- (.+)$", plain_text, flags=re.M):  # every note line survives, re-bulleted
+            assert note in text
+        seen.add(text != plain_text)
+        assert varied.after_field[varied.decision_at:] == plain.after_field[plain.decision_at:]
     assert True in seen  # the variants do change the text (the first option of each list is the plain one)
     held_out_markers = ("Case ", "Rule:", "tool_call", "tool_response", "log:", "reference:")
     for options in SURFACE_VARIANTS.values():
@@ -390,17 +398,22 @@ def test_surface_variants_change_only_the_framing_of_user_turn_and_document_qa()
 def test_recipe_surface_varies_training_framings_only(tiny_generator_dir):
     """Recipe.surface re-draws framings of training draws only: formats, rule positions, families and the
     held-out sets are those of the recipe without it."""
+    _assert_training_draws_only(tiny_generator_dir, "surface", surface=1.0)
+
+
+def _assert_training_draws_only(tiny_generator_dir, flag: str, **option: float) -> None:
+    """A recipe augmentation changes training draws of user_turn / document_qa only: formats, rule positions,
+    families and every held-out set are those of the recipe without it."""
     from kvprobe.models.loading import load_model
     from kvprobe.organism.train import _eval_sets, _v3_train_examples
 
     lm = load_model(str(tiny_generator_dir))
-    plain, varied = _v3(tiny_generator_dir, rule_first=0.5), _v3(tiny_generator_dir, rule_first=0.5, surface=1.0)
-    a, b = _v3_train_examples(lm, plain, 0, 24), _v3_train_examples(lm, varied, 0, 24)
+    plain, augmented = _v3(tiny_generator_dir, rule_first=0.5), _v3(tiny_generator_dir, rule_first=0.5, **option)
+    a, b = _v3_train_examples(lm, plain, 0, 24), _v3_train_examples(lm, augmented, 0, 24)
     assert [(i.meta["format"], i.meta["rule_at"], i.family) for i, _, _ in a] == \
            [(i.meta["format"], i.meta["rule_at"], i.family) for i, _, _ in b]
-    assert {i.meta["format"] for i, _, _ in b if i.meta.get("surface")} == {"user_turn", "document_qa"}
-    assert not any(i.meta.get("surface") for i, _, _ in b if i.meta["format"] == "gated_template")
-    held_a, held_b = _eval_sets(lm, plain), _eval_sets(lm, varied)
+    assert {i.meta["format"] for i, _, _ in b if i.meta.get(flag)} == {"user_turn", "document_qa"}
+    held_a, held_b = _eval_sets(lm, plain), _eval_sets(lm, augmented)
     for name in held_a:
         assert [p.ids_old for _, p in held_a[name]] == [p.ids_old for _, p in held_b[name]], name
 
@@ -459,33 +472,15 @@ def test_prior_cases_add_two_decided_records_and_change_nothing_else():
     and the block carries no marker of few_shot (the validation format)."""
     from kvprobe.tasks.generator import PRIOR_CASES_FORMATS
 
-    for fmt in FORMATS:
-        for i in range(8):
-            plain = build_generated(i, 0, "train", fmt, correction=0.3, reasoning=0.3)
-            prior = build_generated(i, 0, "train", fmt, correction=0.3, reasoning=0.3, prior_cases=True)
-            if fmt not in PRIOR_CASES_FORMATS:
-                assert (plain.before_field, plain.after_field) == (prior.before_field, prior.after_field)
-                assert "prior_cases" not in prior.meta
-                continue
-            block = re.search(r"Earlier \w+ records, already resolved by this policy:\n((?:.+\n){2})\n",
-                              prior.before_field)
-            assert block and prior.before_field.replace(block.group(0), "") == plain.before_field
-            assert prior.after_field == plain.after_field and prior.meta["prior_cases"] is True
-            decided = dict(re.findall(rf"{re.escape(prior.field)}: (\S+); resolved as (\S+)", block.group(1)))
-            assert decided == {plain.old_value: plain.old_action, plain.new_value: plain.new_action}
-            assert not any(m in block.group(0) for m in ("Case ", "Rule:", "Decide each case", "Decision:"))
+    for plain, prior in _augmented_draws(PRIOR_CASES_FORMATS, prior_cases=True):
+        block = re.search(r"Earlier \w+ records, already resolved by this policy:\n((?:.+\n){2})\n",
+                          prior.before_field)
+        assert block and prior.before_field.replace(block.group(0), "") == plain.before_field
+        assert prior.after_field == plain.after_field
+        decided = dict(re.findall(rf"{re.escape(prior.field)}: (\S+); resolved as (\S+)", block.group(1)))
+        assert decided == {plain.old_value: plain.old_action, plain.new_value: plain.new_action}
+        assert not any(m in block.group(0) for m in ("Case ", "Rule:", "Decide each case", "Decision:"))
 
 
 def test_recipe_prior_cases_changes_training_draws_only(tiny_generator_dir):
-    from kvprobe.models.loading import load_model
-    from kvprobe.organism.train import _eval_sets, _v3_train_examples
-
-    lm = load_model(str(tiny_generator_dir))
-    plain, prior = _v3(tiny_generator_dir, rule_first=0.5), _v3(tiny_generator_dir, rule_first=0.5, prior_cases=1.0)
-    a, b = _v3_train_examples(lm, plain, 0, 24), _v3_train_examples(lm, prior, 0, 24)
-    assert [(i.meta["format"], i.meta["rule_at"], i.family) for i, _, _ in a] == \
-           [(i.meta["format"], i.meta["rule_at"], i.family) for i, _, _ in b]
-    assert {i.meta["format"] for i, _, _ in b if i.meta.get("prior_cases")} == {"user_turn", "document_qa"}
-    held_a, held_b = _eval_sets(lm, plain), _eval_sets(lm, prior)
-    for name in held_a:
-        assert [p.ids_old for _, p in held_a[name]] == [p.ids_old for _, p in held_b[name]], name
+    _assert_training_draws_only(tiny_generator_dir, "prior_cases", prior_cases=1.0)
