@@ -86,6 +86,8 @@ class Recipe:
     surface: float = 0.0
     # Probability that a user_turn / document_qa training instance shows two earlier decided records of the
     # same field, one per value (generator.PRIOR_CASES_FORMATS). Why: few_shot fails on its decided cases.
+    # Tried at 0.5 as a 50-step continuation of v3u seeds 1 and 2 (smollm2-135m-gated-v3p): few_shot stays at
+    # chance on validation; not adopted.
     prior_cases: float = 0.0
     # Calibration. loss "ce": cross-entropy of the action token (v1/v2). "capped": a squared hinge on the
     # two-way action logit difference that is zero beyond ``margin`` nats, plus cross-entropy floored at
