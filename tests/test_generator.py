@@ -456,6 +456,22 @@ def test_seed_spread_accepts_a_second_stage_run_per_seed_and_refuses_crossed_see
                                       "recipe": {**card("x", 1, "stage1-seed1")["recipe"], "steps": 7}}])
 
 
+def test_same_recipe_fills_fields_a_card_predates_with_their_defaults():
+    """A card written before a Recipe field existed (here margin_cap, prior_cases) is the same recipe as a later
+    card holding that field at its default, and a different one when the later card sets it."""
+    from dataclasses import asdict
+
+    from kvprobe.organism import seeds as seeds_mod
+    from kvprobe.organism.train import Recipe
+
+    new = json.loads(json.dumps(asdict(Recipe(seed=1, alias="b"))))
+    old = {k: v for k, v in {**new, "seed": 0, "alias": "a"}.items() if k not in ("margin_cap", "prior_cases")}
+    seeds_mod.check_same_recipe([{"alias": "a", "recipe": old}, {"alias": "b", "recipe": new}])
+    with pytest.raises(KVProbeError, match="differ in \\['prior_cases'\\]"):
+        seeds_mod.check_same_recipe([{"alias": "a", "recipe": old},
+                                     {"alias": "b", "recipe": {**new, "prior_cases": 0.5}}])
+
+
 def test_generated_stats_median_is_the_true_median_for_even_pair_counts():
     from kvprobe.organism.train import _stats
 

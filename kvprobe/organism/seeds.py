@@ -56,15 +56,24 @@ def _chained(cards: list[dict[str, Any]]) -> bool:
     return True
 
 
+def _recipe_of(card: dict[str, Any]) -> dict[str, Any]:
+    """A card's recipe with every field it predates filled with the Recipe default: a field added later is
+    drawn only when set, so a card written before it was trained as with the default."""
+    from kvprobe.organism.train import Recipe
+
+    defaults = {f.name: json.loads(json.dumps(f.default)) for f in fields(Recipe)}
+    return {**{k: v for k, v in defaults.items() if k not in card["recipe"]}, **card["recipe"]}
+
+
 def check_same_recipe(cards: list[dict[str, Any]]) -> bool:
     """Raise unless the cards' recipes differ in the seed (and alias) only, with distinct seeds; ``init_from``
     may differ too when every seed continues the same seed of one earlier recipe (:func:`_chained`).
     Returns whether they do (a second stage run per seed)."""
     chained = _chained(cards)
     per_seed = _PER_SEED | ({"init_from"} if chained else set())
-    ref = {k: v for k, v in cards[0]["recipe"].items() if k not in per_seed}
+    ref = {k: v for k, v in _recipe_of(cards[0]).items() if k not in per_seed}
     for card in cards[1:]:
-        other = {k: v for k, v in card["recipe"].items() if k not in per_seed}
+        other = {k: v for k, v in _recipe_of(card).items() if k not in per_seed}
         diff = sorted(k for k in set(ref) | set(other) if ref.get(k) != other.get(k))
         if diff:
             raise KVProbeError(f"organisms '{cards[0]['alias']}' and '{card['alias']}' differ in {diff}, not only "
