@@ -256,6 +256,32 @@ def test_capped_loss_stops_pushing_beyond_the_margin():
     assert _seq_loss(over, [seq], banded).item() == pytest.approx((7.0 - 5.0) ** 2 / 3.0, rel=1e-4)
 
 
+def test_draw_start_trains_on_later_draws(tiny_generator_dir, tmp_path, monkeypatch):
+    """draw_start=k trains on draws k, k+1, ... (the pairs a run from 0 reaches only later) and the card's
+    training hash is theirs; a negative start, or a start on template data, is refused."""
+    import kvprobe.organism.train as train_mod
+    from kvprobe.models.loading import load_model
+
+    monkeypatch.setenv("KVPROBE_CACHE", str(tmp_path / "cache"))
+    real, starts = train_mod._v3_train_examples, []
+
+    def recording(lm, recipe, start, n):
+        starts.append(start)
+        return real(lm, recipe, start, n)
+
+    monkeypatch.setattr(train_mod, "_v3_train_examples", recording)
+    card = train_mod.train_organism(_v3(tiny_generator_dir, draw_start=4), tmp_path / "a", progress=False).card
+    assert starts == [4, 5, 6, 4]  # one draw per step (pairs_per_step 1), then the card's list of all three
+    lm = load_model(str(tiny_generator_dir))
+    plain = _v3(tiny_generator_dir)
+    assert card["data_hashes"]["train"] == train_mod._seq_hash(real(lm, plain, 4, 3))
+    assert card["data_hashes"]["train"] != train_mod._seq_hash(real(lm, plain, 0, 3))
+    with pytest.raises(KVProbeError, match="draw_start=-1: set --draw-start to 0"):
+        train_mod.train_organism(_v3(tiny_generator_dir, draw_start=-1), tmp_path / "b", progress=False)
+    with pytest.raises(KVProbeError, match="draw_start applies to generated data only"):
+        train_mod.train_organism(train_mod.Recipe(draw_start=3), tmp_path / "c", progress=False)
+
+
 def test_margin_cap_needs_the_capped_loss_and_a_cap_above_the_margin(tmp_path):
     from kvprobe.organism.train import V3, Recipe, train_organism_v3
 

@@ -30,7 +30,7 @@ def _train(args: argparse.Namespace) -> int:
         kwargs["train_scenarios"] = None if args.train_scenarios == "all" else tuple(args.train_scenarios.split(","))
     for name in ("lr", "counterfactual_rules", "pairs_per_step", "lora_r", "init_from", "loss", "margin",
                  "margin_cap", "ce_floor", "kl_weight", "correction", "reasoning", "rule_first", "surface",
-                 "prior_cases", "adapter_dtype"):
+                 "prior_cases", "draw_start", "adapter_dtype"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
     if args.distance_range:
@@ -97,6 +97,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     tr.add_argument("--prior-cases", type=float, default=None,
                     help="probability that a user_turn / document_qa training instance shows two earlier decided "
                     "records of its field (v3)")
+    tr.add_argument("--draw-start", type=int, default=None,
+                    help="index of the first training draw: past the draws of the stages a continuation starts "
+                    "from, it trains on pairs none of them saw (v3 drew 0-599; v3)")
     tr.add_argument("--distance-range", default=None, help="lo,hi field-to-decision tokens (v3)")
     tr.add_argument("--adapter-dtype", choices=["float32", "float16"], default=None)
     tr.add_argument("--out", default=None, help="adapter folder (default: inside kvprobe/organism/organisms/)")

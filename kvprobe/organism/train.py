@@ -89,6 +89,11 @@ class Recipe:
     # Tried at 0.5 as a 50-step continuation of v3u seeds 1 and 2 (smollm2-135m-gated-v3p): few_shot stays at
     # chance on validation; not adopted.
     prior_cases: float = 0.0
+    # Index of the first training draw. Draws are indexed per seed, so a continuation (``init_from``) with 0
+    # repeats the first pairs its earlier stages trained on; a start past them (v3 drew 0-599) trains on pairs
+    # no stage has seen. Why: seed 0 of v3u / v3bc fits its repeated pairs (loss ~0.2) yet stays below 0.9 on
+    # the unseen formats.
+    draw_start: int = 0
     # Calibration. loss "ce": cross-entropy of the action token (v1/v2). "capped": a squared hinge on the
     # two-way action logit difference that is zero beyond ``margin`` nats, plus cross-entropy floored at
     # ``ce_floor`` (no push once the token is likely enough) on the action and chain tokens.
@@ -126,6 +131,7 @@ def recipe_summary(recipe: Recipe, n_train_scenarios: int) -> str:
                 + (f", {recipe.surface:.0%} of user_turn/document_qa with varied framing" if recipe.surface else "")
                 + (f", {recipe.prior_cases:.0%} of user_turn/document_qa with earlier decided records"
                    if recipe.prior_cases else "")
+                + (f", draws from #{recipe.draw_start}" if recipe.draw_start else "")
                 + f"; {recipe.loss} loss (margin {recipe.margin}"
                 + (f"-{recipe.margin_cap}" if recipe.margin_cap is not None else "") + " nats), "
                 f"KL weight {recipe.kl_weight}" + (f"; continued from {recipe.init_from}" if recipe.init_from else ""))
@@ -296,6 +302,8 @@ def train_organism(recipe: Recipe, out_dir: Path, resume: bool = True, progress:
         return train_organism_v3(recipe, out_dir, resume=resume, progress=progress)
     if recipe.data != "template":
         raise KVProbeError(f"recipe data '{recipe.data}' is not 'template' or 'generator'")
+    if recipe.draw_start:
+        raise KVProbeError("draw_start applies to generated data only (--preset v3): leave --draw-start out")
     from peft import set_peft_model_state_dict
     from peft.utils import get_peft_model_state_dict
 
@@ -653,6 +661,8 @@ def train_organism_v3(recipe: Recipe, out_dir: Path, resume: bool = True, progre
     if recipe.margin_cap is not None and (recipe.loss != "capped" or recipe.margin_cap <= recipe.margin):
         raise KVProbeError(f"margin_cap={recipe.margin_cap} needs loss 'capped' and a cap above margin="
                            f"{recipe.margin}: set --margin-cap above --margin, or leave it out")
+    if recipe.draw_start < 0:
+        raise KVProbeError(f"draw_start={recipe.draw_start}: set --draw-start to 0 or a later draw index")
     split_sizes = check_splits(load_words(project_path(recipe.words)))
     torch.manual_seed(recipe.seed)
     t0 = time.perf_counter()
@@ -675,7 +685,8 @@ def train_organism_v3(recipe: Recipe, out_dir: Path, resume: bool = True, progre
                disable=not progress)
     for step in bar:
         model.train()
-        examples = _v3_train_examples(lm, recipe, step * recipe.pairs_per_step, recipe.pairs_per_step)
+        examples = _v3_train_examples(lm, recipe, recipe.draw_start + step * recipe.pairs_per_step,
+                                       recipe.pairs_per_step)
         for group in opt.param_groups:
             group["lr"] = _lr_at(step, recipe)
         loss = _example_loss(model, [seqs for _, _, seqs in examples], recipe)
@@ -705,7 +716,7 @@ def train_organism_v3(recipe: Recipe, out_dir: Path, resume: bool = True, progre
     elif recipe.adapter_dtype != "float32":
         raise KVProbeError(f"adapter_dtype '{recipe.adapter_dtype}' is not float32 or float16")
     trained = {name: evaluate_generated(model, items) for name, items in eval_sets.items()}
-    train_examples = _v3_train_examples(lm, recipe, 0, recipe.steps * recipe.pairs_per_step)
+    train_examples = _v3_train_examples(lm, recipe, recipe.draw_start, recipe.steps * recipe.pairs_per_step)
     train_fams = sorted({inst.family for inst, _, _ in train_examples})
     held_fams = sorted({inst.family for items in eval_sets.values() for inst, _ in items})
     if set(train_fams) & set(held_fams):
