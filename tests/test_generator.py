@@ -225,6 +225,23 @@ def test_v3_resume_reproduces_an_uninterrupted_run(tiny_generator_dir, tmp_path,
     assert resumed["heldout_eval"]["after"] == full["heldout_eval"]["after"]
 
 
+def test_checkpoint_key_survives_a_field_added_later_at_its_default():
+    """A run interrupted before a code update that adds a Recipe field (at its default) resumes: its checkpoint
+    folder is keyed on the fields that differ from the defaults; a changed value still gets another folder."""
+    from dataclasses import dataclass
+
+    from kvprobe.organism.train import V3, Recipe, checkpoint_key
+
+    @dataclass(frozen=True)
+    class Later(Recipe):
+        new_knob: float = 0.0
+
+    kw = {**V3, "alias": "x", "seed": 2, "margin_cap": 8.0}
+    assert checkpoint_key(Later(**kw)) == checkpoint_key(Recipe(**kw))
+    assert checkpoint_key(Later(**kw, new_knob=0.5)) != checkpoint_key(Recipe(**kw))
+    assert checkpoint_key(Recipe(**{**kw, "seed": 3})) != checkpoint_key(Recipe(**kw))
+
+
 def test_capped_loss_stops_pushing_beyond_the_margin():
     from kvprobe.organism.train import Recipe, Seq, _seq_loss
 

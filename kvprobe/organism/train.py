@@ -20,7 +20,7 @@ import random
 import re
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -291,9 +291,15 @@ def _lora_training_state(lm: Any, recipe: Any) -> tuple[Any, str | None, list[to
     init_sha = _init_adapter(model, recipe) if recipe.init_from else None
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=0.0)
-    ckpt_dir = cache_root() / "organism-checkpoints" / recipe.alias / hashlib.sha256(
-        json.dumps(asdict(recipe), sort_keys=True).encode()).hexdigest()[:12]
+    ckpt_dir = cache_root() / "organism-checkpoints" / recipe.alias / checkpoint_key(recipe)
     return model, init_sha, params, opt, ckpt_dir
+
+
+def checkpoint_key(recipe: Recipe) -> str:
+    """The checkpoint folder's name: a hash of the fields that differ from the :class:`Recipe` defaults, so a
+    field added to Recipe later (at its default) does not orphan the checkpoint of a run in progress."""
+    changed = {f.name: getattr(recipe, f.name) for f in fields(recipe) if getattr(recipe, f.name) != f.default}
+    return hashlib.sha256(json.dumps(changed, sort_keys=True, default=list).encode()).hexdigest()[:12]
 
 
 def train_organism(recipe: Recipe, out_dir: Path, resume: bool = True, progress: bool = True) -> TrainResult:
