@@ -92,7 +92,9 @@ class Recipe:
     # Index of the first training draw. Draws are indexed per seed, so a continuation (``init_from``) with 0
     # repeats the first pairs its earlier stages trained on; a start past them (v3 drew 0-599) trains on pairs
     # no stage has seen. Why: seed 0 of v3u / v3bc fits its repeated pairs (loss ~0.2) yet stays below 0.9 on
-    # the unseen formats.
+    # the unseen formats. Tried at 600 as a 50-step continuation of v3u, three seeds (smollm2-135m-gated-v3f):
+    # every seed >= 0.9 on the unseen test formats, but not better on validation; not adopted. With a margin
+    # cap of 8 (smollm2-135m-gated-v3f8, seed 0): 0.64.
     draw_start: int = 0
     # Calibration. loss "ce": cross-entropy of the action token (v1/v2). "capped": a squared hinge on the
     # two-way action logit difference that is zero beyond ``margin`` nats, plus cross-entropy floored at
@@ -103,8 +105,8 @@ class Recipe:
     # ``margin_cap`` nats pulls over-confident decisions back, so a pair's flip (the two prompts' margins
     # added) stays between 2 x margin and 2 x margin_cap.
     # Why: v3u's seeds 1 and 2 reach median flips of 13-14 nats with only the lower hinge. None: no cap.
-    # Tried as a 50-step continuation of v3u seeds 1 and 2 (smollm2-135m-gated-v3b: cap 4; -v3b6: cap 6): the
-    # flips fall into the 2-10 goal and test accuracy falls with them; not better on validation, not adopted.
+    # Tried as a 50-step continuation of v3u seeds 1 and 2 (smollm2-135m-gated-v3b: cap 4; -v3b6: 6; -v3b8: 8):
+    # the flips fall into the 2-10 goal and test accuracy falls with them; not better on validation, not adopted.
     margin_cap: float | None = None
     ce_floor: float = 0.5
     kl_weight: float = 0.0  # KL(base || organism) on the base model's own samples from neutral openings
