@@ -60,6 +60,21 @@ def _seeds(args: argparse.Namespace) -> int:
     return 0
 
 
+def _validate(args: argparse.Namespace) -> int:
+    from kvprobe.organism.seeds import organism_folder
+    from kvprobe.organism.validation import CELL_LABELS, recipe_summary, score_large_validation
+
+    folders = [organism_folder(a) for a in [args.primary, *(args.seeds.split(",") if args.seeds else [])]]
+    block = score_large_validation(folders, pairs=args.pairs, replace=args.replace)
+    for name, cell in recipe_summary(block)["cells"].items():
+        acc, p = cell["accuracy"], cell["pooled"]
+        label = "both cells" if name == "both" else CELL_LABELS[name]
+        print(f"{label:<30} accuracy per seed {' / '.join(f'{v:.2f}' for v in acc['per_seed'])}  pooled "
+              f"{p['mean']:.2f} [{p['ci_low']:.2f}, {p['ci_high']:.2f}]  ({cell['n_pairs']} pairs)")
+    print(f"written to card.json of {args.primary} (validation_large)")
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     org = sub.add_parser("organism", help="train model organisms (base model + LoRA adapter)")
     osub = org.add_subparsers(dest="organism_command", required=True)
@@ -109,3 +124,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     sd.add_argument("primary", help="the organism whose card receives the spread (e.g. smollm2-135m-gated-v3)")
     sd.add_argument("--seeds", required=True, help="comma-separated aliases of the same recipe with other seeds")
     sd.set_defaults(func=_seeds)
+    va = osub.add_parser("validate", help="score a recipe's seeds on the larger validation cells (stored in the "
+                         "first card) to choose between recipes")
+    va.add_argument("primary", help="the organism whose card receives the scores (e.g. smollm2-135m-gated-v3r)")
+    va.add_argument("--seeds", default=None, help="comma-separated aliases of the same recipe with other seeds")
+    va.add_argument("--pairs", type=int, default=64, help="pairs per validation cell (default 64)")
+    va.add_argument("--replace", action="store_true", help="discard a stored block for other pairs or seeds")
+    va.set_defaults(func=_validate)

@@ -118,15 +118,27 @@ def _group_stats(per_seed: list[list[tuple[float, float]]], groups: list[str]) -
     return out
 
 
+def score_organism(folder: Path, card: dict[str, Any], named_sets: dict[str, list[tuple[Any, Any]]]
+                   ) -> dict[str, list[tuple[float, float]]]:
+    """One committed organism (its folder and card) scored on named sets of (instance, pair): per set, the
+    action logit differences (old prompt, new prompt) of every pair."""
+    from kvprobe.models.loading import load_organism
+    from kvprobe.models.registry import ModelEntry
+    from kvprobe.organism.train import pair_lds
+
+    entry = ModelEntry(card["alias"], "organism", "", card["base_model"], gguf_file=str(folder))
+    lm = load_organism(entry, device="cpu", dtype="float32")
+    return {name: [pair_lds(lm.model, pair) for _, pair in items] for name, items in named_sets.items()}
+
+
 def seed_spread(folders: list[Path], progress: bool = True) -> dict[str, Any]:
     """Evaluate each seed's organism (its folder: card + adapter) on the shared held-out sets; aggregate per
     set, format, counterfactual rule and family (mean +- sd over seeds), plus neutral-text perplexity from
     the cards."""
     from tqdm.auto import tqdm
 
-    from kvprobe.models.loading import load_model, load_organism
-    from kvprobe.models.registry import ModelEntry
-    from kvprobe.organism.train import _eval_sets, data_hash, diagnostic_sets, pair_lds
+    from kvprobe.models.loading import load_model
+    from kvprobe.organism.train import _eval_sets, data_hash, diagnostic_sets
 
     if len(folders) < 2:
         raise KVProbeError("a seed spread needs at least two organisms of one recipe")
@@ -140,10 +152,8 @@ def seed_spread(folders: list[Path], progress: bool = True) -> dict[str, Any]:
     diagnostics = diagnostic_sets(base, recipe)
     lds: dict[str, list[list[tuple[float, float]]]] = {name: [] for name in [*sets, *diagnostics]}
     for folder, card in tqdm(list(zip(folders, cards)), desc="seeds", disable=not progress):
-        entry = ModelEntry(card["alias"], "organism", "", card["base_model"], gguf_file=str(folder))
-        lm = load_organism(entry, device="cpu", dtype="float32")
-        for name, items in [*sets.items(), *diagnostics.items()]:
-            lds[name].append([pair_lds(lm.model, pair) for _, pair in items])
+        for name, seed_lds in score_organism(Path(folder), card, {**sets, **diagnostics}).items():
+            lds[name].append(seed_lds)
     out: dict[str, Any] = {
         "aliases": aliases, "seeds": [c["recipe"]["seed"] for c in cards], "eval_data_hash": eval_hash,
         "card_eval_hashes_agree": all(c["data_hashes"]["eval"] == eval_hash for c in cards),
@@ -248,4 +258,4 @@ def seed_table(_results_dir: Any = None, folders: list[Path] | None = None) -> s
     return "\n".join(lines)
 
 
-__all__ = ["seed_table", "check_same_recipe", "mean_sd", "organism_folder", "recipe_of", "seed_spread", "write_seed_spread"]
+__all__ = ["seed_table", "check_same_recipe", "mean_sd", "organism_folder", "recipe_of", "score_organism", "seed_spread", "write_seed_spread"]

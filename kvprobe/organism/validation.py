@@ -1,0 +1,205 @@
+"""A larger validation set for choosing among organism recipes, and the paired comparison it allows.
+
+Each training card scores its recipe on two validation cells of 16 pairs (validation families in the
+validation format few_shot, and in the train formats; :func:`kvprobe.organism.train._eval_sets`). Every
+SmolLM2 recipe scores 0.50-0.81 there and the recipes differ by less than their seed spread, so the rule
+"choose on validation" could not separate them. This module draws the same two cells afresh and larger
+(``pairs`` per cell, default 64; draws disjoint from the 16-pair sets, which earlier choices were made on),
+scores every seed of a recipe on them, and compares recipes pair by pair.
+
+Decision rule, fixed before the larger sets were scored: a recipe is preferred over the reference when its
+paired accuracy difference over both cells (seeds both recipes have, averaged per pair) has a 95% CI above
+zero; the CI resamples scenarios (a family's field, values and actions), as every CI in kvprobe does.
+Test sets are never read here.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from kvprobe.errors import KVProbeError
+
+LARGE_VALIDATION_SEEDS = {"validation_unseen_format": 40_000, "validation_train_formats": 41_000}
+"""Draw seeds of the larger cells; the cards' 16-pair cells use 10_000 and 11_000."""
+
+CELL_LABELS = {"validation_unseen_format": "few_shot (validation format)",
+               "validation_train_formats": "train formats"}
+
+
+def large_validation_sets(lm: Any, recipe: Any, pairs: int) -> dict[str, list[tuple[Any, Any]]]:
+    """The two validation cells, ``pairs`` pairs each, drawn independently of the training seed."""
+    from kvprobe.organism.train import _drawn_set, _train_formats
+    from kvprobe.tasks.generator import FORMAT_SPLITS
+
+    if pairs < 2:
+        raise KVProbeError(f"pairs={pairs}: a validation cell needs at least 2 pairs (--pairs)")
+    formats = {"validation_unseen_format": tuple(FORMAT_SPLITS["validation"]),
+               "validation_train_formats": tuple(_train_formats(recipe))}
+    return {name: _drawn_set(lm, recipe, "validation", formats[name], pairs, seed, 0.0)
+            for name, seed in LARGE_VALIDATION_SEEDS.items()}
+
+
+def scenario_of(family: str) -> str:
+    """A family's scenario (field, values, actions): its name without the per-draw ``#`` suffix."""
+    return family.split("#", 1)[0]
+
+
+def score_large_validation(folders: list[Path], pairs: int = 64, progress: bool = True,
+                           replace: bool = False) -> dict[str, Any]:
+    """Score every seed's organism (``folders``: the primary first) on the larger validation cells and store
+    the per-pair logit differences in the primary card (``validation_large``), one seed at a time, so an
+    interrupted run resumes with the seeds it has not scored. A stored block for other pairs or other
+    organisms is kept unless ``replace``."""
+    from tqdm.auto import tqdm
+
+    from kvprobe.models.loading import load_model
+    from kvprobe.organism.seeds import check_same_recipe, recipe_of, score_organism
+    from kvprobe.organism.train import data_hash
+
+    cards = [json.loads((Path(f) / "card.json").read_text()) for f in folders]
+    if len(cards) > 1:
+        check_same_recipe(cards)
+    recipe = recipe_of(cards[0])
+    base = load_model(recipe.base_model, device="cpu", dtype="float32")
+    sets = large_validation_sets(base, recipe, pairs)
+    block: dict[str, Any] = {
+        "pairs_per_cell": pairs, "aliases": [c["alias"] for c in cards],
+        "seeds": [c["recipe"]["seed"] for c in cards],
+        "data_hash": data_hash([pair for items in sets.values() for _, pair in items]),
+        "draw_seeds": LARGE_VALIDATION_SEEDS,
+        "cells": {name: {"scenarios": [scenario_of(inst.family) for inst, _ in items],
+                         "formats": [inst.meta["format"] for inst, _ in items],
+                         "counterfactual": [bool(inst.meta["counterfactual"]) for inst, _ in items]}
+                  for name, items in sets.items()},
+        "pair_lds": {}}
+    path = Path(folders[0]) / "card.json"
+    old = cards[0].get("validation_large")
+    if old is not None:
+        same = all(old.get(k) == block[k] for k in ("pairs_per_cell", "aliases", "data_hash"))
+        if same:
+            block["pair_lds"] = old["pair_lds"]  # resume: keep the seeds already scored
+        elif not replace:
+            raise KVProbeError(f"{cards[0]['alias']} already holds a larger validation block for "
+                               f"{old.get('aliases')} with {old.get('pairs_per_cell')} pairs per cell; rerun with "
+                               "the same --pairs and --seeds to resume it, or add --replace to score anew")
+    todo = [(f, c) for f, c in zip(folders, cards) if c["alias"] not in block["pair_lds"]]
+    for folder, card in tqdm(todo, desc="validating seeds", disable=not progress):
+        lds = score_organism(Path(folder), card, sets)
+        block["pair_lds"][card["alias"]] = {name: [[round(a, 3), round(b, 3)] for a, b in v]
+                                            for name, v in lds.items()}
+        _write_block(path, block)
+    if not todo:
+        _write_block(path, block)
+    return block
+
+
+def _write_block(card_path: Path, block: dict[str, Any]) -> None:
+    card = json.loads(card_path.read_text())
+    card["validation_large"] = block
+    tmp = card_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(card, indent=1) + "\n")
+    tmp.replace(card_path)
+
+
+def _pair_scores(lds: list[list[float]]) -> list[float]:
+    """Per pair: the share of its two prompts decided right (0, 0.5 or 1)."""
+    return [((a < 0) + (b > 0)) / 2 for a, b in lds]
+
+
+def recipe_summary(block: dict[str, Any]) -> dict[str, Any]:
+    """Per cell and over both: accuracy per seed (mean +- sd), median flip per seed, and the pooled
+    accuracy (pairs averaged over seeds) with a scenario-clustered 95% CI."""
+    from kvprobe.organism.seeds import mean_sd
+    from kvprobe.stats.bootstrap import cluster_bootstrap_ci
+
+    aliases = [a for a in block["aliases"] if a in block["pair_lds"]]
+    out: dict[str, Any] = {"seeds_scored": len(aliases), "seeds_total": len(block["aliases"]), "cells": {}}
+    for name in [*block["cells"], "both"]:
+        cells = list(block["cells"]) if name == "both" else [name]
+        scen = [s for c in cells for s in block["cells"][c]["scenarios"]]
+        per_seed = [[x for c in cells for x in _pair_scores(block["pair_lds"][a][c])] for a in aliases]
+        flips = [statistics.median(b - a for c in cells for a, b in block["pair_lds"][al][c]) for al in aliases]
+        pooled = [statistics.fmean(col) for col in zip(*per_seed)]
+        mean, lo, hi = cluster_bootstrap_ci(pooled, scen)
+        out["cells"][name] = {"n_pairs": len(scen), "accuracy": mean_sd([statistics.fmean(s) for s in per_seed]),
+                              "median_flip": mean_sd(flips), "pooled": {"mean": mean, "ci_low": lo, "ci_high": hi}}
+    return out
+
+
+def paired_difference(block: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
+    """Accuracy difference (recipe minus reference) on the same pairs, over the training seeds both recipes
+    have scored, per pair averaged over those seeds; scenario-clustered 95% CI. Both blocks must hold the
+    same draw (same base model, pairs and train formats)."""
+    from kvprobe.stats.bootstrap import cluster_bootstrap_ci
+
+    if block["data_hash"] != reference["data_hash"]:
+        raise KVProbeError(f"{block['aliases'][0]} and {reference['aliases'][0]} were scored on different "
+                           "validation pairs (another base model, --pairs or train formats): not comparable")
+    seeds = {s: a for s, a in zip(block["seeds"], block["aliases"]) if a in block["pair_lds"]}
+    ref_seeds = {s: a for s, a in zip(reference["seeds"], reference["aliases"]) if a in reference["pair_lds"]}
+    common = sorted(set(seeds) & set(ref_seeds))
+    if not common:
+        raise KVProbeError(f"{block['aliases'][0]} and {reference['aliases'][0]} share no scored training seed")
+    out: dict[str, Any] = {"seeds": common, "cells": {}}
+    for name in [*block["cells"], "both"]:
+        cells = list(block["cells"]) if name == "both" else [name]
+        scen = [s for c in cells for s in block["cells"][c]["scenarios"]]
+
+        def pooled(b: dict[str, Any], by_seed: dict[int, str]) -> list[float]:
+            rows = [[x for c in cells for x in _pair_scores(b["pair_lds"][by_seed[s]][c])] for s in common]
+            return [statistics.fmean(col) for col in zip(*rows)]
+
+        diff = [x - y for x, y in zip(pooled(block, seeds), pooled(reference, ref_seeds))]
+        mean, lo, hi = cluster_bootstrap_ci(diff, scen)
+        out["cells"][name] = {"mean": mean, "ci_low": lo, "ci_high": hi, "n_pairs": len(diff),
+                              "n_scenarios": len(set(scen))}
+    out["preferred"] = out["cells"]["both"]["ci_low"] > 0
+    return out
+
+
+def validation_table(_results_dir: Any = None, folders: list[Path] | None = None,
+                     reference: str = "smollm2-135m-gated-v3r") -> str:
+    """Markdown: every organism card holding a larger validation block, per cell, with its paired difference
+    from the ``reference`` recipe where both were scored on the same pairs (the
+    ``kvprobe:organism_validation`` block of RESULTS.md, regenerated by ``kvprobe report --write``)."""
+    from kvprobe.models.registry import organism_dirs
+
+    blocks = []
+    for folder in organism_dirs() if folders is None else folders:
+        card = json.loads((Path(folder) / "card.json").read_text())
+        if card.get("validation_large"):
+            blocks.append(card["validation_large"])
+    if not blocks:
+        return ("(no organism card holds a larger validation block yet: `kvprobe organism validate <alias> "
+                "--seeds ...`)")
+    ref = next((b for b in blocks if b["aliases"][0] == reference), None)
+    lines = [f"| recipe (seeds scored) | cell | pairs | accuracy, mean +- sd (per seed) | pooled accuracy [95% CI] "
+             f"| median flip (nats), mean (per seed) | difference from `{reference}` [95% CI] (seeds) |",
+             "|" + "---|" * 7]
+    for b in blocks:
+        summ = recipe_summary(b)
+        diff = None
+        if ref is not None and b is not ref and b["data_hash"] == ref["data_hash"]:
+            diff = paired_difference(b, ref)
+        seeds = ", ".join(str(s) for s, a in zip(b["seeds"], b["aliases"]) if a in b["pair_lds"])
+        for name, cell in summ["cells"].items():
+            acc, flip, p = cell["accuracy"], cell["median_flip"], cell["pooled"]
+            sd = "" if acc["sd"] is None else f" +- {acc['sd']:.2f}"
+            d = "-"
+            if diff is not None:
+                dc = diff["cells"][name]
+                d = (f"{dc['mean']:+.3f} [{dc['ci_low']:+.3f}, {dc['ci_high']:+.3f}] "
+                     f"({', '.join(map(str, diff['seeds']))})")
+            label = "both cells" if name == "both" else CELL_LABELS[name]
+            lines.append(f"| `{b['aliases'][0]}` ({seeds}) | {label} | {cell['n_pairs']} | {acc['mean']:.2f}{sd} "
+                         f"({' / '.join(f'{v:.2f}' for v in acc['per_seed'])}) | {p['mean']:.2f} "
+                         f"[{p['ci_low']:.2f}, {p['ci_high']:.2f}] | {flip['mean']:.1f} "
+                         f"({' / '.join(f'{v:.1f}' for v in flip['per_seed'])}) | {d} |")
+    return "\n".join(lines)
+
+
+__all__ = ["CELL_LABELS", "LARGE_VALIDATION_SEEDS", "large_validation_sets", "paired_difference", "recipe_summary",
+           "scenario_of", "score_large_validation", "validation_table"]
