@@ -543,3 +543,67 @@ def test_prior_cases_add_two_decided_records_and_change_nothing_else():
 
 def test_recipe_prior_cases_changes_training_draws_only(tiny_generator_dir):
     _assert_training_draws_only(tiny_generator_dir, "prior_cases", prior_cases=1.0)
+
+
+def test_larger_validation_scores_fresh_draws_per_seed_resumes_and_compares(tiny_generator_dir, tmp_path,
+                                                                            monkeypatch):
+    import kvprobe.organism.seeds as seeds_mod
+    from kvprobe.models.loading import load_model
+    from kvprobe.organism.train import _eval_sets, train_organism
+    from kvprobe.organism.validation import (large_validation_sets, paired_difference, recipe_summary,
+                                             score_large_validation, validation_table)
+
+    monkeypatch.setenv("KVPROBE_CACHE", str(tmp_path / "cache"))
+    folders = [tmp_path / f"s{s}" for s in (0, 1)]
+    for s, f in zip((0, 1), folders):
+        train_organism(_v3(tiny_generator_dir, seed=s, alias=f"tiny-v3-s{s}"), f, progress=False)
+    recipe = _v3(tiny_generator_dir)
+    lm = load_model(str(tiny_generator_dir))
+    large, small = large_validation_sets(lm, recipe, 3), _eval_sets(lm, recipe)
+    for name, items in large.items():  # a fresh draw, not the cards' validation pairs, in the same formats
+        assert [p.ids_old for _, p in items][:2] != [p.ids_old for _, p in small[name]]
+        assert {i.meta["split"] for i, _ in items} == {"validation"}
+    assert {i.meta["format"] for i, _ in large["validation_unseen_format"]} <= set(FORMAT_SPLITS["validation"])
+
+    calls = []
+    real = seeds_mod.score_organism
+
+    def interrupted(folder, card, sets):  # the second seed dies mid-run
+        calls.append(card["alias"])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(folder, card, sets)
+
+    monkeypatch.setattr(seeds_mod, "score_organism", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        score_large_validation(folders, pairs=3, progress=False)
+    stored = json.loads((folders[0] / "card.json").read_text())["validation_large"]
+    assert list(stored["pair_lds"]) == ["tiny-v3-s0"]
+    monkeypatch.setattr(seeds_mod, "score_organism", real)
+    block = score_large_validation(folders, pairs=3, progress=False)  # resumes with seed 1 only
+    assert block["pair_lds"]["tiny-v3-s0"] == stored["pair_lds"]["tiny-v3-s0"]
+    direct = real(folders[1], json.loads((folders[1] / "card.json").read_text()), large)
+    summ = recipe_summary(block)
+    for name, lds in direct.items():
+        acc = sum((a < 0) + (b > 0) for a, b in lds) / (2 * len(lds))
+        assert summ["cells"][name]["accuracy"]["per_seed"][1] == pytest.approx(acc, abs=1e-2)
+    assert summ["cells"]["both"]["n_pairs"] == 6
+    with pytest.raises(KVProbeError, match="add --replace"):
+        score_large_validation(folders, pairs=2, progress=False)
+    assert score_large_validation(folders[:1], pairs=2, progress=False, replace=True)["pairs_per_cell"] == 2
+
+    # Paired differences: zero against itself; one recipe right everywhere against one wrong everywhere.
+    zero = paired_difference(block, block)
+    assert zero["cells"]["both"]["mean"] == 0 and not zero["preferred"] and zero["seeds"] == [0, 1]
+    right = {**block, "aliases": ["r0"], "seeds": [1],
+             "pair_lds": {"r0": {n: [[-1.0, 1.0]] * 3 for n in block["cells"]}}}
+    wrong = {**block, "aliases": ["w0", "w1"], "seeds": [0, 1],
+             "pair_lds": {a: {n: [[1.0, -1.0]] * 3 for n in block["cells"]} for a in ("w0", "w1")}}
+    diff = paired_difference(right, wrong)
+    assert diff["seeds"] == [1] and diff["cells"]["both"]["mean"] == 1.0 and diff["preferred"]
+    with pytest.raises(KVProbeError, match="different validation pairs"):
+        paired_difference({**right, "data_hash": "other"}, wrong)
+    with pytest.raises(KVProbeError, match="share no scored training seed"):
+        paired_difference({**right, "seeds": [5]}, wrong)
+    table = validation_table(folders=folders, reference="tiny-v3-s0").splitlines()
+    assert len(table) == 2 + 3  # the primary card's block: two cells and both; the other card holds none
