@@ -554,7 +554,7 @@ def test_larger_validation_scores_fresh_draws_per_seed_resumes_and_compares(tiny
                                              score_large_validation, validation_table)
 
     monkeypatch.setenv("KVPROBE_CACHE", str(tmp_path / "cache"))
-    folders = [tmp_path / f"s{s}" for s in (0, 1)]
+    folders = [tmp_path / f"tiny-v3-s{s}" for s in (0, 1)]  # named as registered: a folder per alias
     for s, f in zip((0, 1), folders):
         train_organism(_v3(tiny_generator_dir, seed=s, alias=f"tiny-v3-s{s}"), f, progress=False)
     recipe = _v3(tiny_generator_dir)
@@ -607,3 +607,6 @@ def test_larger_validation_scores_fresh_draws_per_seed_resumes_and_compares(tiny
         paired_difference({**right, "seeds": [5]}, wrong)
     table = validation_table(folders=folders, reference="tiny-v3-s0").splitlines()
     assert len(table) == 2 + 3  # the primary card's block: two cells and both; the other card holds none
+    card_accs = [json.loads((f / "card.json").read_text())["heldout_eval"]["after"]["validation_unseen_format"]
+                 ["all"]["accuracy"] for f in folders[:1]]
+    assert table[2].endswith(f"| {card_accs[0]:.2f} ({card_accs[0]:.2f}) |")  # the card's own 16-pair cell
