@@ -75,6 +75,29 @@ def _validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compare(args: argparse.Namespace) -> int:
+    from kvprobe.organism.seeds import organism_folder
+    from kvprobe.organism.validation import CELL_LABELS, paired_difference
+
+    blocks = []
+    for alias in (args.recipe, args.reference):
+        block = json.loads((organism_folder(alias) / "card.json").read_text()).get("validation_large")
+        if block is None:
+            from kvprobe.errors import KVProbeError
+
+            raise KVProbeError(f"{alias} holds no larger validation block: run `kvprobe organism validate {alias} "
+                               "--seeds ...` first")
+        blocks.append(block)
+    diff = paired_difference(*blocks)
+    for name, c in diff["cells"].items():
+        label = "both cells" if name == "both" else CELL_LABELS[name]
+        print(f"{label:<30} {args.recipe} - {args.reference}: {c['mean']:+.3f} [{c['ci_low']:+.3f}, "
+              f"{c['ci_high']:+.3f}]  ({c['n_pairs']} pairs, {c['n_scenarios']} scenarios, seeds "
+              f"{', '.join(map(str, diff['seeds']))})")
+    print(f"preferred over {args.reference} (95% CI of both cells above 0): {diff['preferred']}")
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     org = sub.add_parser("organism", help="train model organisms (base model + LoRA adapter)")
     osub = org.add_subparsers(dest="organism_command", required=True)
@@ -131,3 +154,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     va.add_argument("--pairs", type=int, default=64, help="pairs per validation cell (default 64)")
     va.add_argument("--replace", action="store_true", help="discard a stored block for other pairs or seeds")
     va.set_defaults(func=_validate)
+    cp = osub.add_parser("compare", help="paired accuracy difference of two recipes on the larger validation cells")
+    cp.add_argument("recipe", help="primary alias of the recipe judged")
+    cp.add_argument("reference", help="primary alias of the recipe it is judged against")
+    cp.set_defaults(func=_compare)
