@@ -71,3 +71,11 @@ def test_models_lists_aliases_and_errors_are_one_line(capsys):
     assert main(["run", "configs/locality.yaml", "--model", "not-a-model", "--quiet"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvprobe: error: unknown model 'not-a-model'") and err.count("\n") == 1
+
+
+def test_organism_compare_names_the_missing_validation_block(capsys):
+    # The v1 organism predates the larger validation draw: the message names the command that scores it.
+    assert main(["organism", "compare", "smollm2-135m-gated", "smollm2-135m-gated-v2"]) == 2
+    err = capsys.readouterr().err
+    assert "smollm2-135m-gated holds no larger validation block" in err
+    assert "kvprobe organism validate smollm2-135m-gated --seeds" in err
