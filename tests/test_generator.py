@@ -610,3 +610,23 @@ def test_larger_validation_scores_fresh_draws_per_seed_resumes_and_compares(tiny
     card_accs = [json.loads((f / "card.json").read_text())["heldout_eval"]["after"]["validation_unseen_format"]
                  ["all"]["accuracy"] for f in folders[:1]]
     assert table[2].endswith(f"| {card_accs[0]:.2f} ({card_accs[0]:.2f}) |")  # the card's own 16-pair cell
+
+
+def test_seed_agreement_ranks_seeds_against_the_cards_small_and_test_cells(tmp_path):
+    from kvprobe.organism.validation import seed_agreement
+
+    cells = ["validation_unseen_format", "validation_train_formats"]
+    accs = [0.5, 0.6, 0.7, 0.8]
+    block = {"aliases": [f"o{i}" for i in range(4)], "cells": {c: {} for c in cells}, "pair_lds": {}}
+    for i, acc in enumerate(accs):  # o_i decides i + 2 of 8 prompts (4 pairs per cell) right
+        right = [[-1.0, 1.0]] * (i + 1) + [[1.0, 1.0]] * (3 - i)
+        block["pair_lds"][f"o{i}"] = {c: right for c in cells}
+        after = {c: {"all": {"accuracy": acc}} for c in cells}  # small cells agree in rank
+        after["test_unseen_formats"] = {"all": {"accuracy": 1 - acc}}  # the test set ranks them in reverse
+        after["test_train_formats"] = {"all": {"accuracy": acc}}
+        (tmp_path / f"o{i}").mkdir()
+        (tmp_path / f"o{i}" / "card.json").write_text(json.dumps({"heldout_eval": {"after": after}}))
+    line = seed_agreement([block], tmp_path)
+    assert "the 4 organism seeds" in line and "16-pair cells +1.00" in line
+    assert "unseen formats -1.00" in line and "train formats +1.00" in line
+    assert seed_agreement([{**block, "aliases": block["aliases"][:3]}], tmp_path) == ""  # too few to rank

@@ -222,8 +222,40 @@ def validation_table(_results_dir: Any = None, folders: list[Path] | None = None
                          f"[{p['ci_low']:.2f}, {p['ci_high']:.2f}] | {flip['mean']:.1f} "
                          f"({' / '.join(f'{v:.1f}' for v in flip['per_seed'])}) | {d[0]} | {d[1]} | "
                          f"{old.get(name, '-')} |")
+    dirs = list(organism_dirs() if folders is None else folders)
+    agree = seed_agreement(blocks, Path(dirs[0]).parent)  # seeds' cards sit beside their primary's
+    if agree:
+        lines += ["", agree]
     return "\n".join(lines)
 
 
+def seed_agreement(blocks: list[dict[str, Any]], organisms_dir: Path) -> str:
+    """One sentence: over every scored organism seed, how the larger draw ranks seeds against the cards' 16-pair
+    cells (is the small set noise?) and against the cards' test sets (does validation predict the test
+    families?); Spearman's rho with its p. The test sets are reported here, never used to choose."""
+    from scipy.stats import spearmanr
+
+    rows = []
+    for b in blocks:
+        for alias in (a for a in b["aliases"] if a in b["pair_lds"]):
+            path = organisms_dir / alias / "card.json"
+            after = json.loads(path.read_text()).get("heldout_eval", {}).get("after", {}) if path.exists() else {}
+            needed = [*b["cells"], "test_unseen_formats", "test_train_formats"]
+            if not all(n in after for n in needed):
+                continue
+            large = statistics.fmean(x for c in b["cells"] for x in _pair_scores(b["pair_lds"][alias][c]))
+            small = statistics.fmean(after[c]["all"]["accuracy"] for c in b["cells"])
+            rows.append((large, small, after["test_unseen_formats"]["all"]["accuracy"],
+                         after["test_train_formats"]["all"]["accuracy"]))
+    if len(rows) < 4:
+        return ""
+    large, small, unseen, train = zip(*rows)
+    rho = {name: spearmanr(large, other) for name, other in (("small", small), ("unseen", unseen), ("train", train))}
+    fmt = {k: f"{float(r.statistic):+.2f} (p = {float(r.pvalue):.2g})" for k, r in rho.items()}
+    return (f"Over the {len(rows)} organism seeds scored (both cells, Spearman's rho): the larger draw against the "
+            f"cards' 16-pair cells {fmt['small']}; against the cards' test sets, reported and never used to choose: "
+            f"unseen formats {fmt['unseen']}, train formats {fmt['train']}.")
+
+
 __all__ = ["CELL_LABELS", "LARGE_VALIDATION_SEEDS", "large_validation_sets", "paired_difference", "recipe_summary",
-           "scenario_of", "score_large_validation", "validation_table"]
+           "scenario_of", "score_large_validation", "seed_agreement", "validation_table"]
