@@ -551,7 +551,7 @@ def test_larger_validation_scores_fresh_draws_per_seed_resumes_and_compares(tiny
     from kvprobe.models.loading import load_model
     from kvprobe.organism.train import _eval_sets, train_organism
     from kvprobe.organism.validation import (large_validation_sets, paired_difference, recipe_summary,
-                                             score_large_validation, validation_table)
+                                             score_large_validation, test_draw_table, validation_table)
 
     monkeypatch.setenv("KVPROBE_CACHE", str(tmp_path / "cache"))
     folders = [tmp_path / f"tiny-v3-s{s}" for s in (0, 1)]  # named as registered: a folder per alias
@@ -591,6 +591,14 @@ def test_larger_validation_scores_fresh_draws_per_seed_resumes_and_compares(tiny
     with pytest.raises(KVProbeError, match="add --replace"):
         score_large_validation(folders, pairs=2, progress=False)
     assert score_large_validation(folders[:1], pairs=2, progress=False, replace=True)["pairs_per_cell"] == 2
+
+    test_block = score_large_validation(folders, pairs=2, progress=False, split="test")
+    card = json.loads((folders[0] / "card.json").read_text())
+    assert card["test_large"] == test_block and card["validation_large"]["pairs_per_cell"] == 2  # both kept
+    assert set(test_block["cells"]) == {"test_unseen_formats", "test_train_formats"}
+    assert set(test_block["cells"]["test_unseen_formats"]["formats"]) <= set(FORMAT_SPLITS["test"])
+    rows = test_draw_table(folders=folders).splitlines()
+    assert len(rows) == 2 + 3 and rows[-1].split("|")[7].strip().endswith("/ 2")  # goals checked per seed
 
     # Paired differences: zero against itself; one recipe right everywhere against one wrong everywhere.
     zero = paired_difference(block, block)

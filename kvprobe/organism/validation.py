@@ -10,7 +10,9 @@ scores every seed of a recipe on them, and compares recipes pair by pair.
 Decision rule, fixed before the larger sets were scored: a recipe is preferred over the reference when its
 paired accuracy difference over both cells (seeds both recipes have, averaged per pair) has a 95% CI above
 zero; the CI resamples scenarios (a family's field, values and actions), as every CI in kvprobe does.
-Test sets are never read here.
+Test sets are never read by the rule. The same draw can be made of the test cells (``split="test"``, stored as
+``test_large``): a fresh, larger test draw that checks a test-set claim on pairs no recipe was designed on.
+It is reported, never used to choose.
 """
 
 from __future__ import annotations
@@ -22,24 +24,34 @@ from typing import Any
 
 from kvprobe.errors import KVProbeError
 
-LARGE_VALIDATION_SEEDS = {"validation_unseen_format": 40_000, "validation_train_formats": 41_000}
-"""Draw seeds of the larger cells; the cards' 16-pair cells use 10_000 and 11_000."""
+DRAW_SEEDS = {"validation": {"validation_unseen_format": 40_000, "validation_train_formats": 41_000},
+              "test": {"test_unseen_formats": 42_000, "test_train_formats": 43_000}}
+"""Draw seeds of the larger cells; the cards' own cells use 10_000-14_000."""
+LARGE_VALIDATION_SEEDS = DRAW_SEEDS["validation"]
+BLOCK_KEYS = {"validation": "validation_large", "test": "test_large"}
+"""Where each split's larger draw is stored in the primary card."""
 
 CELL_LABELS = {"validation_unseen_format": "few_shot (validation format)",
-               "validation_train_formats": "train formats"}
+               "validation_train_formats": "train formats",
+               "test_unseen_formats": "unseen formats (system_user, tool_call)",
+               "test_train_formats": "train formats"}
 
 
-def large_validation_sets(lm: Any, recipe: Any, pairs: int) -> dict[str, list[tuple[Any, Any]]]:
-    """The two validation cells, ``pairs`` pairs each, drawn independently of the training seed."""
+def large_validation_sets(lm: Any, recipe: Any, pairs: int, split: str = "validation"
+                          ) -> dict[str, list[tuple[Any, Any]]]:
+    """The two cells of ``split`` (its families in the held-out formats and in the train formats), ``pairs``
+    pairs each, drawn independently of the training seed."""
     from kvprobe.organism.train import _drawn_set, _train_formats
     from kvprobe.tasks.generator import FORMAT_SPLITS
 
     if pairs < 2:
-        raise KVProbeError(f"pairs={pairs}: a validation cell needs at least 2 pairs (--pairs)")
-    formats = {"validation_unseen_format": tuple(FORMAT_SPLITS["validation"]),
-               "validation_train_formats": tuple(_train_formats(recipe))}
-    return {name: _drawn_set(lm, recipe, "validation", formats[name], pairs, seed, 0.0)
-            for name, seed in LARGE_VALIDATION_SEEDS.items()}
+        raise KVProbeError(f"pairs={pairs}: a cell needs at least 2 pairs (--pairs)")
+    if split not in DRAW_SEEDS:
+        raise KVProbeError(f"split={split!r}: one of {', '.join(DRAW_SEEDS)} (--split)")
+    formats = {f"{split}_unseen_format{'s' if split == 'test' else ''}": tuple(FORMAT_SPLITS[split]),
+               f"{split}_train_formats": tuple(_train_formats(recipe))}
+    return {name: _drawn_set(lm, recipe, split, formats[name], pairs, seed, 0.0)
+            for name, seed in DRAW_SEEDS[split].items()}
 
 
 def scenario_of(family: str) -> str:
@@ -48,9 +60,9 @@ def scenario_of(family: str) -> str:
 
 
 def score_large_validation(folders: list[Path], pairs: int = 64, progress: bool = True,
-                           replace: bool = False) -> dict[str, Any]:
-    """Score every seed's organism (``folders``: the primary first) on the larger validation cells and store
-    the per-pair logit differences in the primary card (``validation_large``), one seed at a time, so an
+                           replace: bool = False, split: str = "validation") -> dict[str, Any]:
+    """Score every seed's organism (``folders``: the primary first) on the larger cells of ``split`` and store
+    the per-pair logit differences in the primary card (:data:`BLOCK_KEYS`), one seed at a time, so an
     interrupted run resumes with the seeds it has not scored. A stored block for other pairs or other
     organisms is kept unless ``replace``."""
     from tqdm.auto import tqdm
@@ -64,41 +76,42 @@ def score_large_validation(folders: list[Path], pairs: int = 64, progress: bool 
         check_same_recipe(cards)
     recipe = recipe_of(cards[0])
     base = load_model(recipe.base_model, device="cpu", dtype="float32")
-    sets = large_validation_sets(base, recipe, pairs)
+    sets = large_validation_sets(base, recipe, pairs, split)
+    key = BLOCK_KEYS[split]
     block: dict[str, Any] = {
         "pairs_per_cell": pairs, "aliases": [c["alias"] for c in cards],
         "seeds": [c["recipe"]["seed"] for c in cards],
         "data_hash": data_hash([pair for items in sets.values() for _, pair in items]),
-        "draw_seeds": LARGE_VALIDATION_SEEDS,
+        "split": split, "draw_seeds": DRAW_SEEDS[split],
         "cells": {name: {"scenarios": [scenario_of(inst.family) for inst, _ in items],
                          "formats": [inst.meta["format"] for inst, _ in items],
                          "counterfactual": [bool(inst.meta["counterfactual"]) for inst, _ in items]}
                   for name, items in sets.items()},
         "pair_lds": {}}
     path = Path(folders[0]) / "card.json"
-    old = cards[0].get("validation_large")
+    old = cards[0].get(key)
     if old is not None:
         same = all(old.get(k) == block[k] for k in ("pairs_per_cell", "aliases", "data_hash"))
         if same:
             block["pair_lds"] = old["pair_lds"]  # resume: keep the seeds already scored
         elif not replace:
-            raise KVProbeError(f"{cards[0]['alias']} already holds a larger validation block for "
+            raise KVProbeError(f"{cards[0]['alias']} already holds a larger {split} block for "
                                f"{old.get('aliases')} with {old.get('pairs_per_cell')} pairs per cell; rerun with "
                                "the same --pairs and --seeds to resume it, or add --replace to score anew")
     todo = [(f, c) for f, c in zip(folders, cards) if c["alias"] not in block["pair_lds"]]
-    for folder, card in tqdm(todo, desc="validating seeds", disable=not progress):
+    for folder, card in tqdm(todo, desc=f"scoring seeds ({split})", disable=not progress):
         lds = score_organism(Path(folder), card, sets)
         block["pair_lds"][card["alias"]] = {name: [[round(a, 3), round(b, 3)] for a, b in v]
                                             for name, v in lds.items()}
-        _write_block(path, block)
+        _write_block(path, block, key)
     if not todo:
-        _write_block(path, block)
+        _write_block(path, block, key)
     return block
 
 
-def _write_block(card_path: Path, block: dict[str, Any]) -> None:
+def _write_block(card_path: Path, block: dict[str, Any], key: str) -> None:
     card = json.loads(card_path.read_text())
-    card["validation_large"] = block
+    card[key] = block
     tmp = card_path.with_suffix(".tmp")
     tmp.write_text(json.dumps(card, indent=1) + "\n")
     tmp.replace(card_path)
@@ -229,6 +242,37 @@ def validation_table(_results_dir: Any = None, folders: list[Path] | None = None
     return "\n".join(lines)
 
 
+def test_draw_table(_results_dir: Any = None, folders: list[Path] | None = None) -> str:
+    """Markdown: every organism card holding a larger test draw, per cell, with the calibration goals checked
+    per seed (accuracy >= 0.9, median flip 2-10 nats). Reported, never used to choose (the
+    ``kvprobe:organism_test_draw`` block of RESULTS.md)."""
+    from kvprobe.models.registry import organism_dirs
+
+    lines = ["| organism (seeds scored) | cell | pairs | accuracy, mean +- sd (per seed) | pooled accuracy [95% CI] | "
+             "median flip (nats), mean (per seed) | seeds meeting both goals (accuracy >= 0.9, median flip 2-10) | "
+             "the cards' 32-pair cell: accuracy (per seed) |", "|" + "---|" * 8]
+    for folder in organism_dirs() if folders is None else folders:
+        card = json.loads((Path(folder) / "card.json").read_text())
+        block = card.get(BLOCK_KEYS["test"])
+        if not block:
+            continue
+        old = _small_cells(Path(folder).parent, block)
+        seeds = ", ".join(str(s) for s, a in zip(block["seeds"], block["aliases"]) if a in block["pair_lds"])
+        for name, cell in recipe_summary(block)["cells"].items():
+            acc, flip, p = cell["accuracy"], cell["median_flip"], cell["pooled"]
+            sd = "" if acc["sd"] is None else f" +- {acc['sd']:.2f}"
+            met = sum(a >= 0.9 and 2 <= f <= 10 for a, f in zip(acc["per_seed"], flip["per_seed"]))
+            label = "both cells" if name == "both" else CELL_LABELS[name]
+            lines.append(f"| `{block['aliases'][0]}` ({seeds}) | {label} | {cell['n_pairs']} | {acc['mean']:.2f}{sd} "
+                         f"({' / '.join(f'{v:.2f}' for v in acc['per_seed'])}) | {p['mean']:.2f} "
+                         f"[{p['ci_low']:.2f}, {p['ci_high']:.2f}] | {flip['mean']:.1f} "
+                         f"({' / '.join(f'{v:.1f}' for v in flip['per_seed'])}) | {met} / {len(acc['per_seed'])} | "
+                         f"{old.get(name, '-')} |")
+    if len(lines) == 2:
+        return "(no organism card holds a larger test draw yet: `kvprobe organism validate <alias> --split test`)"
+    return "\n".join(lines)
+
+
 def seed_agreement(blocks: list[dict[str, Any]], organisms_dir: Path) -> str:
     """One sentence: over every scored organism seed, how the larger draw ranks seeds against the cards' 16-pair
     cells (is the small set noise?) and against the cards' test sets (does validation predict the test
@@ -257,5 +301,5 @@ def seed_agreement(blocks: list[dict[str, Any]], organisms_dir: Path) -> str:
             f"unseen formats {fmt['unseen']}, train formats {fmt['train']}.")
 
 
-__all__ = ["CELL_LABELS", "LARGE_VALIDATION_SEEDS", "large_validation_sets", "paired_difference", "recipe_summary",
-           "scenario_of", "score_large_validation", "seed_agreement", "validation_table"]
+__all__ = ["BLOCK_KEYS", "CELL_LABELS", "DRAW_SEEDS", "LARGE_VALIDATION_SEEDS", "large_validation_sets", "paired_difference", "recipe_summary",
+           "scenario_of", "score_large_validation", "seed_agreement", "test_draw_table", "validation_table"]

@@ -99,12 +99,19 @@ def _organism_validation_block(results_dir: str | Path) -> str:
     return validation_table(results_dir)
 
 
+def _organism_test_draw_block(results_dir: str | Path) -> str:
+    from kvprobe.organism.validation import test_draw_table
+
+    return test_draw_table(results_dir)
+
+
 GENERATORS: dict[str, Callable[[str | Path], str]] = {
     "report": lambda d: markdown_table(report_rows(d)),
     "headlines": headline_table,
     "claims": _claims_block,
     "organism_seeds": _organism_seeds_block,
     "organism_validation": _organism_validation_block,
+    "organism_test_draw": _organism_test_draw_block,
 }
 
 
