@@ -78,4 +78,6 @@ def test_organism_compare_names_the_missing_validation_block(capsys):
     assert main(["organism", "compare", "smollm2-135m-gated", "smollm2-135m-gated-v2"]) == 2
     err = capsys.readouterr().err
     assert "smollm2-135m-gated holds no larger validation block" in err
+    assert main(["organism", "compare", "smollm2-135m-gated", "smollm2-135m-gated-v2", "--split", "test"]) == 2
+    assert "--split test` first" in capsys.readouterr().err
     assert "kvprobe organism validate smollm2-135m-gated --seeds" in err

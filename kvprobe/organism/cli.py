@@ -77,16 +77,16 @@ def _validate(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     from kvprobe.organism.seeds import organism_folder
-    from kvprobe.organism.validation import CELL_LABELS, paired_difference
+    from kvprobe.organism.validation import BLOCK_KEYS, CELL_LABELS, paired_difference
 
     blocks = []
     for alias in (args.recipe, args.reference):
-        block = json.loads((organism_folder(alias) / "card.json").read_text()).get("validation_large")
+        block = json.loads((organism_folder(alias) / "card.json").read_text()).get(BLOCK_KEYS[args.split])
         if block is None:
             from kvprobe.errors import KVProbeError
 
-            raise KVProbeError(f"{alias} holds no larger validation block: run `kvprobe organism validate {alias} "
-                               "--seeds ...` first")
+            raise KVProbeError(f"{alias} holds no larger {args.split} block: run `kvprobe organism validate {alias} "
+                               f"--seeds ...{' --split test' if args.split == 'test' else ''}` first")
         blocks.append(block)
     diff = paired_difference(*blocks)
     for name, c in diff["cells"].items():
@@ -94,7 +94,10 @@ def _compare(args: argparse.Namespace) -> int:
         print(f"{label:<30} {args.recipe} - {args.reference}: {c['mean']:+.3f} [{c['ci_low']:+.3f}, "
               f"{c['ci_high']:+.3f}]  ({c['n_pairs']} pairs, {c['n_scenarios']} scenarios, seeds "
               f"{', '.join(map(str, diff['seeds']))})")
-    print(f"preferred over {args.reference} (95% CI of both cells above 0): {diff['preferred']}")
+    if args.split == "validation":
+        print(f"preferred over {args.reference} (95% CI of both cells above 0): {diff['preferred']}")
+    else:
+        print("test draws: reported, never used to choose a recipe")
     return 0
 
 
@@ -160,4 +163,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     cp = osub.add_parser("compare", help="paired accuracy difference of two recipes on the larger validation cells")
     cp.add_argument("recipe", help="primary alias of the recipe judged")
     cp.add_argument("reference", help="primary alias of the recipe it is judged against")
+    cp.add_argument("--split", choices=["validation", "test"], default="validation",
+                    help="test: the fresh test draws (reported, never used to choose)")
     cp.set_defaults(func=_compare)
