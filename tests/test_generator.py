@@ -550,8 +550,8 @@ def test_larger_validation_scores_fresh_draws_per_seed_resumes_and_compares(tiny
     import kvprobe.organism.seeds as seeds_mod
     from kvprobe.models.loading import load_model
     from kvprobe.organism.train import _eval_sets, train_organism
-    from kvprobe.organism.validation import (large_validation_sets, paired_difference, recipe_summary,
-                                             score_large_validation, test_draw_table, validation_table)
+    from kvprobe.organism.validation import (larger_draw_sets, paired_difference, recipe_summary,
+                                             score_larger_draw, test_draw_table, validation_table)
 
     monkeypatch.setenv("KVPROBE_CACHE", str(tmp_path / "cache"))
     folders = [tmp_path / f"tiny-v3-s{s}" for s in (0, 1)]  # named as registered: a folder per alias
@@ -559,7 +559,7 @@ def test_larger_validation_scores_fresh_draws_per_seed_resumes_and_compares(tiny
         train_organism(_v3(tiny_generator_dir, seed=s, alias=f"tiny-v3-s{s}"), f, progress=False)
     recipe = _v3(tiny_generator_dir)
     lm = load_model(str(tiny_generator_dir))
-    large, small = large_validation_sets(lm, recipe, 3), _eval_sets(lm, recipe)
+    large, small = larger_draw_sets(lm, recipe, 3), _eval_sets(lm, recipe)
     for name, items in large.items():  # a fresh draw, not the cards' validation pairs, in the same formats
         assert [p.ids_old for _, p in items][:2] != [p.ids_old for _, p in small[name]]
         assert {i.meta["split"] for i, _ in items} == {"validation"}
@@ -576,11 +576,11 @@ def test_larger_validation_scores_fresh_draws_per_seed_resumes_and_compares(tiny
 
     monkeypatch.setattr(seeds_mod, "score_organism", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        score_large_validation(folders, pairs=3, progress=False)
+        score_larger_draw(folders, pairs=3, progress=False)
     stored = json.loads((folders[0] / "card.json").read_text())["validation_large"]
     assert list(stored["pair_lds"]) == ["tiny-v3-s0"]
     monkeypatch.setattr(seeds_mod, "score_organism", real)
-    block = score_large_validation(folders, pairs=3, progress=False)  # resumes with seed 1 only
+    block = score_larger_draw(folders, pairs=3, progress=False)  # resumes with seed 1 only
     assert block["pair_lds"]["tiny-v3-s0"] == stored["pair_lds"]["tiny-v3-s0"]
     direct = real(folders[1], json.loads((folders[1] / "card.json").read_text()), large)
     summ = recipe_summary(block)
@@ -589,10 +589,10 @@ def test_larger_validation_scores_fresh_draws_per_seed_resumes_and_compares(tiny
         assert summ["cells"][name]["accuracy"]["per_seed"][1] == pytest.approx(acc, abs=1e-2)
     assert summ["cells"]["both"]["n_pairs"] == 6
     with pytest.raises(KVProbeError, match="add --replace"):
-        score_large_validation(folders, pairs=2, progress=False)
-    assert score_large_validation(folders[:1], pairs=2, progress=False, replace=True)["pairs_per_cell"] == 2
+        score_larger_draw(folders, pairs=2, progress=False)
+    assert score_larger_draw(folders[:1], pairs=2, progress=False, replace=True)["pairs_per_cell"] == 2
 
-    test_block = score_large_validation(folders, pairs=2, progress=False, split="test")
+    test_block = score_larger_draw(folders, pairs=2, progress=False, split="test")
     card = json.loads((folders[0] / "card.json").read_text())
     assert card["test_large"] == test_block and card["validation_large"]["pairs_per_cell"] == 2  # both kept
     assert set(test_block["cells"]) == {"test_unseen_formats", "test_train_formats"}

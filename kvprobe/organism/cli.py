@@ -62,10 +62,10 @@ def _seeds(args: argparse.Namespace) -> int:
 
 def _validate(args: argparse.Namespace) -> int:
     from kvprobe.organism.seeds import organism_folder
-    from kvprobe.organism.validation import BLOCK_KEYS, CELL_LABELS, recipe_summary, score_large_validation
+    from kvprobe.organism.validation import BLOCK_KEYS, CELL_LABELS, recipe_summary, score_larger_draw
 
     folders = [organism_folder(a) for a in [args.primary, *(args.seeds.split(",") if args.seeds else [])]]
-    block = score_large_validation(folders, pairs=args.pairs, replace=args.replace, split=args.split)
+    block = score_larger_draw(folders, pairs=args.pairs, replace=args.replace, split=args.split)
     for name, cell in recipe_summary(block)["cells"].items():
         acc, p = cell["accuracy"], cell["pooled"]
         label = "both cells" if name == "both" else CELL_LABELS[name]

@@ -37,7 +37,7 @@ CELL_LABELS = {"validation_unseen_format": "few_shot (validation format)",
                "test_train_formats": "train formats"}
 
 
-def large_validation_sets(lm: Any, recipe: Any, pairs: int, split: str = "validation"
+def larger_draw_sets(lm: Any, recipe: Any, pairs: int, split: str = "validation"
                           ) -> dict[str, list[tuple[Any, Any]]]:
     """The two cells of ``split`` (its families in the held-out formats and in the train formats), ``pairs``
     pairs each, drawn independently of the training seed."""
@@ -59,7 +59,7 @@ def scenario_of(family: str) -> str:
     return family.split("#", 1)[0]
 
 
-def score_large_validation(folders: list[Path], pairs: int = 64, progress: bool = True,
+def score_larger_draw(folders: list[Path], pairs: int = 64, progress: bool = True,
                            replace: bool = False, split: str = "validation") -> dict[str, Any]:
     """Score every seed's organism (``folders``: the primary first) on the larger cells of ``split`` and store
     the per-pair logit differences in the primary card (:data:`BLOCK_KEYS`), one seed at a time, so an
@@ -76,7 +76,7 @@ def score_large_validation(folders: list[Path], pairs: int = 64, progress: bool 
         check_same_recipe(cards)
     recipe = recipe_of(cards[0])
     base = load_model(recipe.base_model, device="cpu", dtype="float32")
-    sets = large_validation_sets(base, recipe, pairs, split)
+    sets = larger_draw_sets(base, recipe, pairs, split)
     key = BLOCK_KEYS[split]
     block: dict[str, Any] = {
         "pairs_per_cell": pairs, "aliases": [c["alias"] for c in cards],
@@ -301,5 +301,5 @@ def seed_agreement(blocks: list[dict[str, Any]], organisms_dir: Path) -> str:
             f"unseen formats {fmt['unseen']}, train formats {fmt['train']}.")
 
 
-__all__ = ["BLOCK_KEYS", "CELL_LABELS", "DRAW_SEEDS", "LARGE_VALIDATION_SEEDS", "large_validation_sets", "paired_difference", "recipe_summary",
-           "scenario_of", "score_large_validation", "seed_agreement", "test_draw_table", "validation_table"]
+__all__ = ["BLOCK_KEYS", "CELL_LABELS", "DRAW_SEEDS", "LARGE_VALIDATION_SEEDS", "larger_draw_sets", "paired_difference", "recipe_summary",
+           "scenario_of", "score_larger_draw", "seed_agreement", "test_draw_table", "validation_table"]
