@@ -609,7 +609,7 @@ def test_larger_validation_scores_fresh_draws_per_seed_resumes_and_compares(tiny
              "pair_lds": {a: {n: [[1.0, -1.0]] * 3 for n in block["cells"]} for a in ("w0", "w1")}}
     diff = paired_difference(right, wrong)
     assert diff["seeds"] == [1] and diff["cells"]["both"]["mean"] == 1.0 and diff["preferred"]
-    with pytest.raises(KVProbeError, match="different validation pairs"):
+    with pytest.raises(KVProbeError, match="scored on different pairs"):
         paired_difference({**right, "data_hash": "other"}, wrong)
     with pytest.raises(KVProbeError, match="share no scored training seed"):
         paired_difference({**right, "seeds": [5]}, wrong)

@@ -189,16 +189,21 @@ def seed_spread(folders: list[Path], progress: bool = True) -> dict[str, Any]:
     return out
 
 
-def write_seed_spread(primary: Path, spread: dict[str, Any]) -> Path:
-    """Store the spread in the primary organism's card (``seeds``; ``primary`` is its folder); the adapter
-    files, and so the organism's fingerprint, are untouched."""
-    path = Path(primary) / "card.json"
+def write_card_entry(folder: Path, key: str, value: Any) -> Path:
+    """Set one top-level entry of an organism's card, atomically; the adapter files, and so the organism's
+    fingerprint, are untouched."""
+    path = Path(folder) / "card.json"
     card = json.loads(path.read_text())
-    card["seeds"] = spread
+    card[key] = value
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(card, indent=1) + "\n")
     tmp.replace(path)
     return path
+
+
+def write_seed_spread(primary: Path, spread: dict[str, Any]) -> Path:
+    """Store the spread in the primary organism's card (``seeds``; ``primary`` is its folder)."""
+    return write_card_entry(primary, "seeds", spread)
 
 
 def _cell(stat: dict[str, Any], digits: int) -> str:
@@ -258,4 +263,5 @@ def seed_table(_results_dir: Any = None, folders: list[Path] | None = None) -> s
     return "\n".join(lines)
 
 
-__all__ = ["seed_table", "check_same_recipe", "mean_sd", "organism_folder", "recipe_of", "score_organism", "seed_spread", "write_seed_spread"]
+__all__ = ["seed_table", "check_same_recipe", "mean_sd", "organism_folder", "recipe_of", "score_organism", "seed_spread", "write_card_entry",
+           "write_seed_spread"]

@@ -68,7 +68,7 @@ def score_larger_draw(folders: list[Path], pairs: int = 64, progress: bool = Tru
     from tqdm.auto import tqdm
 
     from kvprobe.models.loading import load_model
-    from kvprobe.organism.seeds import check_same_recipe, recipe_of, score_organism
+    from kvprobe.organism.seeds import check_same_recipe, recipe_of, score_organism, write_card_entry
     from kvprobe.organism.train import data_hash
 
     cards = [json.loads((Path(f) / "card.json").read_text()) for f in folders]
@@ -88,7 +88,6 @@ def score_larger_draw(folders: list[Path], pairs: int = 64, progress: bool = Tru
                          "counterfactual": [bool(inst.meta["counterfactual"]) for inst, _ in items]}
                   for name, items in sets.items()},
         "pair_lds": {}}
-    path = Path(folders[0]) / "card.json"
     old = cards[0].get(key)
     if old is not None:
         same = all(old.get(k) == block[k] for k in ("pairs_per_cell", "aliases", "data_hash"))
@@ -103,23 +102,25 @@ def score_larger_draw(folders: list[Path], pairs: int = 64, progress: bool = Tru
         lds = score_organism(Path(folder), card, sets)
         block["pair_lds"][card["alias"]] = {name: [[round(a, 3), round(b, 3)] for a, b in v]
                                             for name, v in lds.items()}
-        _write_block(path, block, key)
+        write_card_entry(folders[0], key, block)
     if not todo:
-        _write_block(path, block, key)
+        write_card_entry(folders[0], key, block)
     return block
-
-
-def _write_block(card_path: Path, block: dict[str, Any], key: str) -> None:
-    card = json.loads(card_path.read_text())
-    card[key] = block
-    tmp = card_path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(card, indent=1) + "\n")
-    tmp.replace(card_path)
 
 
 def _pair_scores(lds: list[list[float]]) -> list[float]:
     """Per pair: the share of its two prompts decided right (0, 0.5 or 1)."""
     return [((a < 0) + (b > 0)) / 2 for a, b in lds]
+
+
+def _seed_scores(block: dict[str, Any], cells: list[str], aliases: list[str]) -> list[list[float]]:
+    """Per seed (alias), the pair scores of ``cells`` concatenated."""
+    return [[x for c in cells for x in _pair_scores(block["pair_lds"][a][c])] for a in aliases]
+
+
+def _pooled(per_seed: list[list[float]]) -> list[float]:
+    """Per pair, its score averaged over seeds."""
+    return [statistics.fmean(col) for col in zip(*per_seed)]
 
 
 def recipe_summary(block: dict[str, Any]) -> dict[str, Any]:
@@ -133,10 +134,9 @@ def recipe_summary(block: dict[str, Any]) -> dict[str, Any]:
     for name in [*block["cells"], "both"]:
         cells = list(block["cells"]) if name == "both" else [name]
         scen = [s for c in cells for s in block["cells"][c]["scenarios"]]
-        per_seed = [[x for c in cells for x in _pair_scores(block["pair_lds"][a][c])] for a in aliases]
+        per_seed = _seed_scores(block, cells, aliases)
         flips = [statistics.median(b - a for c in cells for a, b in block["pair_lds"][al][c]) for al in aliases]
-        pooled = [statistics.fmean(col) for col in zip(*per_seed)]
-        mean, lo, hi = cluster_bootstrap_ci(pooled, scen)
+        mean, lo, hi = cluster_bootstrap_ci(_pooled(per_seed), scen)
         out["cells"][name] = {"n_pairs": len(scen), "accuracy": mean_sd([statistics.fmean(s) for s in per_seed]),
                               "median_flip": mean_sd(flips), "pooled": {"mean": mean, "ci_low": lo, "ci_high": hi}}
     return out
@@ -150,7 +150,7 @@ def paired_difference(block: dict[str, Any], reference: dict[str, Any]) -> dict[
 
     if block["data_hash"] != reference["data_hash"]:
         raise KVProbeError(f"{block['aliases'][0]} and {reference['aliases'][0]} were scored on different "
-                           "validation pairs (another base model, --pairs or train formats): not comparable")
+                           "pairs (another split, base model, --pairs or train formats): not comparable")
     seeds = {s: a for s, a in zip(block["seeds"], block["aliases"]) if a in block["pair_lds"]}
     ref_seeds = {s: a for s, a in zip(reference["seeds"], reference["aliases"]) if a in reference["pair_lds"]}
     common = sorted(set(seeds) & set(ref_seeds))
@@ -160,12 +160,9 @@ def paired_difference(block: dict[str, Any], reference: dict[str, Any]) -> dict[
     for name in [*block["cells"], "both"]:
         cells = list(block["cells"]) if name == "both" else [name]
         scen = [s for c in cells for s in block["cells"][c]["scenarios"]]
-
-        def pooled(b: dict[str, Any], by_seed: dict[int, str]) -> list[float]:
-            rows = [[x for c in cells for x in _pair_scores(b["pair_lds"][by_seed[s]][c])] for s in common]
-            return [statistics.fmean(col) for col in zip(*rows)]
-
-        diff = [x - y for x, y in zip(pooled(block, seeds), pooled(reference, ref_seeds))]
+        mine = _pooled(_seed_scores(block, cells, [seeds[s] for s in common]))
+        theirs = _pooled(_seed_scores(reference, cells, [ref_seeds[s] for s in common]))
+        diff = [x - y for x, y in zip(mine, theirs, strict=True)]
         mean, lo, hi = cluster_bootstrap_ci(diff, scen)
         out["cells"][name] = {"mean": mean, "ci_low": lo, "ci_high": hi, "n_pairs": len(diff),
                               "n_scenarios": len(set(scen))}
@@ -180,12 +177,17 @@ def _difference_cell(diff: dict[str, Any] | None, cell: str) -> str:
     return f"{dc['mean']:+.3f} [{dc['ci_low']:+.3f}, {dc['ci_high']:+.3f}] ({', '.join(map(str, diff['seeds']))})"
 
 
+def _card_heldout(organisms_dir: Path, alias: str) -> dict[str, Any]:
+    """An organism card's own held-out evaluation after training ({} when the card is absent)."""
+    path = organisms_dir / alias / "card.json"
+    return json.loads(path.read_text()).get("heldout_eval", {}).get("after", {}) if path.exists() else {}
+
+
 def _small_cells(organisms_dir: Path, block: dict[str, Any]) -> dict[str, str]:
     """The scored seeds' accuracy on their cards' own 16-pair validation cells (what earlier choices used)."""
     per_cell: dict[str, list[float]] = {name: [] for name in [*block["cells"], "both"]}
     for alias in (a for a in block["aliases"] if a in block["pair_lds"]):
-        path = organisms_dir / alias / "card.json"
-        after = json.loads(path.read_text()).get("heldout_eval", {}).get("after", {}) if path.exists() else {}
+        after = _card_heldout(organisms_dir, alias)
         if not all(name in after for name in block["cells"]):
             return {}
         accs = [after[name]["all"]["accuracy"] for name in block["cells"]]
@@ -282,8 +284,7 @@ def seed_agreement(blocks: list[dict[str, Any]], organisms_dir: Path) -> str:
     rows = []
     for b in blocks:
         for alias in (a for a in b["aliases"] if a in b["pair_lds"]):
-            path = organisms_dir / alias / "card.json"
-            after = json.loads(path.read_text()).get("heldout_eval", {}).get("after", {}) if path.exists() else {}
+            after = _card_heldout(organisms_dir, alias)
             needed = [*b["cells"], "test_unseen_formats", "test_train_formats"]
             if not all(n in after for n in needed):
                 continue
