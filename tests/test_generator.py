@@ -637,4 +637,8 @@ def test_seed_agreement_ranks_seeds_against_the_cards_small_and_test_cells(tmp_p
     line = seed_agreement([block], tmp_path)
     assert "the 4 organism seeds" in line and "16-pair cells +1.00" in line
     assert "unseen formats -1.00" in line and "train formats +1.00" in line
+    assert "recipes" not in line  # one recipe: nothing to rank at that level
     assert seed_agreement([{**block, "aliases": block["aliases"][:3]}], tmp_path) == ""  # too few to rank
+    recipes = [{**block, "aliases": [a], "pair_lds": {a: block["pair_lds"][a]}} for a in block["aliases"]]
+    line = seed_agreement(recipes, tmp_path)
+    assert "Over the 4 recipes" in line and line.count("-1.00") == 2  # each level ranks the unseen test in reverse

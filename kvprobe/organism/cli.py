@@ -62,22 +62,25 @@ def _seeds(args: argparse.Namespace) -> int:
 
 def _validate(args: argparse.Namespace) -> int:
     from kvprobe.organism.seeds import organism_folder
-    from kvprobe.organism.validation import BLOCK_KEYS, CELL_LABELS, recipe_summary, score_larger_draw
+    from kvprobe.organism.validation import (BLOCK_KEYS, CELL_LABELS, LABEL_WIDTH, recipe_summary,
+                                             score_larger_draw)
 
     folders = [organism_folder(a) for a in [args.primary, *(args.seeds.split(",") if args.seeds else [])]]
     block = score_larger_draw(folders, pairs=args.pairs, replace=args.replace, split=args.split)
     for name, cell in recipe_summary(block)["cells"].items():
         acc, p = cell["accuracy"], cell["pooled"]
         label = "both cells" if name == "both" else CELL_LABELS[name]
-        print(f"{label:<30} accuracy per seed {' / '.join(f'{v:.2f}' for v in acc['per_seed'])}  pooled "
-              f"{p['mean']:.2f} [{p['ci_low']:.2f}, {p['ci_high']:.2f}]  ({cell['n_pairs']} pairs)")
+        flips = ' / '.join(f'{v:.1f}' for v in cell['median_flip']['per_seed'])
+        print(f"{label:<{LABEL_WIDTH}} accuracy per seed {' / '.join(f'{v:.2f}' for v in acc['per_seed'])}  pooled "
+              f"{p['mean']:.2f} [{p['ci_low']:.2f}, {p['ci_high']:.2f}]  median flip per seed {flips}  "
+              f"({cell['n_pairs']} pairs)")
     print(f"written to card.json of {args.primary} ({BLOCK_KEYS[args.split]})")
     return 0
 
 
 def _compare(args: argparse.Namespace) -> int:
     from kvprobe.organism.seeds import organism_folder
-    from kvprobe.organism.validation import BLOCK_KEYS, CELL_LABELS, paired_difference
+    from kvprobe.organism.validation import BLOCK_KEYS, CELL_LABELS, LABEL_WIDTH, paired_difference
 
     blocks = []
     for alias in (args.recipe, args.reference):
@@ -91,7 +94,7 @@ def _compare(args: argparse.Namespace) -> int:
     diff = paired_difference(*blocks)
     for name, c in diff["cells"].items():
         label = "both cells" if name == "both" else CELL_LABELS[name]
-        print(f"{label:<30} {args.recipe} - {args.reference}: {c['mean']:+.3f} [{c['ci_low']:+.3f}, "
+        print(f"{label:<{LABEL_WIDTH}} {args.recipe} - {args.reference}: {c['mean']:+.3f} [{c['ci_low']:+.3f}, "
               f"{c['ci_high']:+.3f}]  ({c['n_pairs']} pairs, {c['n_scenarios']} scenarios, seeds "
               f"{', '.join(map(str, diff['seeds']))})")
     if args.split == "validation":

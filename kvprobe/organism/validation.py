@@ -35,6 +35,8 @@ CELL_LABELS = {"validation_unseen_format": "few_shot (validation format)",
                "validation_train_formats": "train formats",
                "test_unseen_formats": "unseen formats (system_user, tool_call)",
                "test_train_formats": "train formats"}
+LABEL_WIDTH = max(len(label) for label in [*CELL_LABELS.values(), "both cells"])
+"""Column width that fits every cell label in the command-line summaries."""
 
 
 def larger_draw_sets(lm: Any, recipe: Any, pairs: int, split: str = "validation"
@@ -276,13 +278,13 @@ def test_draw_table(_results_dir: Any = None, folders: list[Path] | None = None)
 
 
 def seed_agreement(blocks: list[dict[str, Any]], organisms_dir: Path) -> str:
-    """One sentence: over every scored organism seed, how the larger draw ranks seeds against the cards' 16-pair
-    cells (is the small set noise?) and against the cards' test sets (does validation predict the test
-    families?); Spearman's rho with its p. The test sets are reported here, never used to choose."""
-    from scipy.stats import spearmanr
-
-    rows = []
+    """Two sentences: over every scored organism seed, and over recipes (seeds averaged), how the larger draw
+    ranks them against the cards' 16-pair cells (is the small set noise?) and against the cards' test sets
+    (does validation predict the test families?); Spearman's rho with its p. The test sets are reported here,
+    never used to choose."""
+    rows, recipes = [], []
     for b in blocks:
+        mine = []
         for alias in (a for a in b["aliases"] if a in b["pair_lds"]):
             after = _card_heldout(organisms_dir, alias)
             needed = [*b["cells"], "test_unseen_formats", "test_train_formats"]
@@ -290,17 +292,30 @@ def seed_agreement(blocks: list[dict[str, Any]], organisms_dir: Path) -> str:
                 continue
             large = statistics.fmean(x for c in b["cells"] for x in _pair_scores(b["pair_lds"][alias][c]))
             small = statistics.fmean(after[c]["all"]["accuracy"] for c in b["cells"])
-            rows.append((large, small, after["test_unseen_formats"]["all"]["accuracy"],
+            mine.append((large, small, after["test_unseen_formats"]["all"]["accuracy"],
                          after["test_train_formats"]["all"]["accuracy"]))
+        rows += mine
+        if mine:
+            recipes.append(tuple(statistics.fmean(col) for col in zip(*mine)))
     if len(rows) < 4:
         return ""
-    large, small, unseen, train = zip(*rows)
-    rho = {name: spearmanr(large, other) for name, other in (("small", small), ("unseen", unseen), ("train", train))}
-    fmt = {k: f"{float(r.statistic):+.2f} (p = {float(r.pvalue):.2g})" for k, r in rho.items()}
-    return (f"Over the {len(rows)} organism seeds scored (both cells, Spearman's rho): the larger draw against the "
-            f"cards' 16-pair cells {fmt['small']}; against the cards' test sets, reported and never used to choose: "
-            f"unseen formats {fmt['unseen']}, train formats {fmt['train']}.")
+    out = (f"Over the {len(rows)} organism seeds scored (both cells, Spearman's rho): the larger draw against the "
+           f"cards' 16-pair cells {_rho_text(rows, 1)}; against the cards' test sets, reported and never used to "
+           f"choose: unseen formats {_rho_text(rows, 2)}, train formats {_rho_text(rows, 3)}.")
+    if len(recipes) >= 4:
+        out += (f" Over the {len(recipes)} recipes (their scored seeds averaged): against the 16-pair cells "
+                f"{_rho_text(recipes, 1)}; against the test sets: unseen formats {_rho_text(recipes, 2)}, train "
+                f"formats {_rho_text(recipes, 3)}.")
+    return out
 
 
-__all__ = ["BLOCK_KEYS", "CELL_LABELS", "DRAW_SEEDS", "LARGE_VALIDATION_SEEDS", "larger_draw_sets", "paired_difference", "recipe_summary",
+def _rho_text(rows: list[tuple[float, ...]], column: int) -> str:
+    """Spearman's rho of column 0 (the larger draw) against ``column``, with its p."""
+    from scipy.stats import spearmanr
+
+    r = spearmanr([row[0] for row in rows], [row[column] for row in rows])
+    return f"{float(r.statistic):+.2f} (p = {float(r.pvalue):.2g})"
+
+
+__all__ = ["BLOCK_KEYS", "CELL_LABELS", "DRAW_SEEDS", "LABEL_WIDTH", "LARGE_VALIDATION_SEEDS", "larger_draw_sets", "paired_difference", "recipe_summary",
            "scenario_of", "score_larger_draw", "seed_agreement", "test_draw_table", "validation_table"]
