@@ -81,3 +81,7 @@ def test_organism_compare_names_the_missing_validation_block(capsys):
     assert main(["organism", "compare", "smollm2-135m-gated", "smollm2-135m-gated-v2", "--split", "test"]) == 2
     assert "--split test` first" in capsys.readouterr().err
     assert "kvprobe organism validate smollm2-135m-gated --seeds" in err
+    v2 = "kvprobe/tasks/data/scenario_words_v2.yaml"
+    assert main(["organism", "compare", "smollm2-135m-gated", "smollm2-135m-gated-v2", "--words", v2]) == 2
+    assert f"(validation_large@scenario_words_v2): run `kvprobe organism validate smollm2-135m-gated --seeds ... " \
+           f"--words {v2}` first" in capsys.readouterr().err

@@ -55,6 +55,33 @@ def test_splits_are_disjoint_by_word_and_by_format():
         check_splits(leaky)
 
 
+def test_word_list_v2_adds_heldout_rule_phrasings_and_keeps_the_train_draws(tmp_path):
+    from kvprobe.tasks.generator import WORDS_FILE, split_words
+
+    v1, v2 = load_words(), load_words(WORDS_FILE.with_name("scenario_words_v2.yaml"))
+    sizes = check_splits(v2)
+    assert sizes["train"] == check_splits(v1)["train"]
+    assert sizes["validation"]["rules"] == sizes["test"]["rules"] == 6
+    for i in range(200):  # the train split draws exactly as version 1; held-out splits reach the added rules
+        assert sample_family(random.Random(i), "train", v2) == sample_family(random.Random(i), "train", v1)
+    for split in ("validation", "test"):
+        added = set(split_words(v2, "rules", split)) - set(split_words(v1, "rules", split))
+        assert len(added) == 4 and added == set(dict(v2.heldout_rules)[split])
+        assert added & {sample_family(random.Random(i), split, v2).rule for i in range(200)}
+        # each held-out split now holds negated and plain phrasings alike
+        negated = [r for r in split_words(v2, "rules", split)
+                   if re.search(r"\b(not|never|unless|only|forbid\w*)\b", r, re.I)]
+        assert len(negated) == 3
+    vocabulary = {w.lower() for e in (*v2.value_pairs, *v2.action_pairs) for w in e}
+    for rule in (r for _, rules in v2.heldout_rules for r in rules):
+        assert set(re.findall(r"\{(\w+)\}", rule)) == {"field", "a", "b", "x", "y"}
+        assert not set(re.findall(r"[a-z]+", re.sub(r"\{\w+\}", "", rule).lower())) & vocabulary
+    bad = tmp_path / "w.yaml"
+    bad.write_text(WORDS_FILE.read_text() + "heldout_rules:\n  train: ['{field} {a} {b} {x} {y}']\n")
+    with pytest.raises(KVProbeError, match="heldout_rules maps 'validation' and/or 'test'"):
+        load_words(bad)
+
+
 def test_same_seed_same_instances_other_seed_others():
     a = generate(12, seed=3, split="train")
     b = generate(12, seed=3, split="train")
@@ -618,6 +645,25 @@ def test_larger_validation_scores_fresh_draws_per_seed_resumes_and_compares(tiny
     card_accs = [json.loads((f / "card.json").read_text())["heldout_eval"]["after"]["validation_unseen_format"]
                  ["all"]["accuracy"] for f in folders[:1]]
     assert table[2].endswith(f"| {card_accs[0]:.2f} ({card_accs[0]:.2f}) |")  # the card's own 16-pair cell
+
+    # Another word list: its own draw, stored under its own key beside the recipe's, labelled in the table.
+    import hashlib
+
+    from kvprobe.tasks.generator import WORDS_FILE, load_words
+    v2 = "kvprobe/tasks/data/scenario_words_v2.yaml"
+    other = score_larger_draw(folders[:1], pairs=2, progress=False, words=v2)
+    card = json.loads((folders[0] / "card.json").read_text())
+    assert other["card_key"] == "validation_large@scenario_words_v2" and card[other["card_key"]] == other
+    plain = card["validation_large"]
+    assert plain["pairs_per_cell"] == 2 and other["data_hash"] != plain["data_hash"]
+    added = {hashlib.sha256(r.encode()).hexdigest()[:6]
+             for r in dict(load_words(WORDS_FILE.with_name("scenario_words_v2.yaml")).heldout_rules)["validation"]}
+    drawn = larger_draw_sets(lm, recipe, 8, words=v2)
+    assert added & {i.family.rsplit("#", 1)[1] for items in drawn.values() for i, _ in items}
+    table = validation_table(folders=folders, reference="tiny-v3-s0").splitlines()
+    assert len(table) == 2 + 3 + 3 and "`tiny-v3-s0` (scenario_words_v2) (0)" in table[-1]
+    with pytest.raises(KVProbeError, match="no such word list"):
+        score_larger_draw(folders[:1], pairs=2, progress=False, words="kvprobe/tasks/data/none.yaml")
 
 
 def test_seed_agreement_ranks_seeds_against_the_cards_small_and_test_cells(tmp_path):

@@ -62,11 +62,10 @@ def _seeds(args: argparse.Namespace) -> int:
 
 def _validate(args: argparse.Namespace) -> int:
     from kvprobe.organism.seeds import organism_folder
-    from kvprobe.organism.validation import (BLOCK_KEYS, CELL_LABELS, LABEL_WIDTH, recipe_summary,
-                                             score_larger_draw)
+    from kvprobe.organism.validation import CELL_LABELS, LABEL_WIDTH, recipe_summary, score_larger_draw
 
     folders = [organism_folder(a) for a in [args.primary, *(args.seeds.split(",") if args.seeds else [])]]
-    block = score_larger_draw(folders, pairs=args.pairs, replace=args.replace, split=args.split)
+    block = score_larger_draw(folders, pairs=args.pairs, replace=args.replace, split=args.split, words=args.words)
     for name, cell in recipe_summary(block)["cells"].items():
         acc, p = cell["accuracy"], cell["pooled"]
         label = "both cells" if name == "both" else CELL_LABELS[name]
@@ -74,22 +73,24 @@ def _validate(args: argparse.Namespace) -> int:
         print(f"{label:<{LABEL_WIDTH}} accuracy per seed {' / '.join(f'{v:.2f}' for v in acc['per_seed'])}  pooled "
               f"{p['mean']:.2f} [{p['ci_low']:.2f}, {p['ci_high']:.2f}]  median flip per seed {flips}  "
               f"({cell['n_pairs']} pairs)")
-    print(f"written to card.json of {args.primary} ({BLOCK_KEYS[args.split]})")
+    print(f"written to card.json of {args.primary} ({block['card_key']})")
     return 0
 
 
 def _compare(args: argparse.Namespace) -> int:
     from kvprobe.organism.seeds import organism_folder
-    from kvprobe.organism.validation import BLOCK_KEYS, CELL_LABELS, LABEL_WIDTH, paired_difference
+    from kvprobe.organism.validation import CELL_LABELS, LABEL_WIDTH, block_key, paired_difference
 
     blocks = []
     for alias in (args.recipe, args.reference):
-        block = json.loads((organism_folder(alias) / "card.json").read_text()).get(BLOCK_KEYS[args.split])
+        key = block_key(args.split, args.words)
+        block = json.loads((organism_folder(alias) / "card.json").read_text()).get(key)
         if block is None:
             from kvprobe.errors import KVProbeError
 
-            raise KVProbeError(f"{alias} holds no larger {args.split} block: run `kvprobe organism validate {alias} "
-                               f"--seeds ...{' --split test' if args.split == 'test' else ''}` first")
+            raise KVProbeError(f"{alias} holds no larger {args.split} block ({key}): run `kvprobe organism validate "
+                               f"{alias} --seeds ...{' --split test' if args.split == 'test' else ''}"
+                               f"{' --words ' + args.words if args.words else ''}` first")
         blocks.append(block)
     diff = paired_difference(*blocks)
     for name, c in diff["cells"].items():
@@ -162,10 +163,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     va.add_argument("--split", choices=["validation", "test"], default="validation",
                     help="test: a fresh, larger draw of the test cells, to check a test claim (reported, never "
                     "used to choose a recipe)")
+    va.add_argument("--words", default=None, help="draw from another word list than the recipe's (e.g. "
+                    "kvprobe/tasks/data/scenario_words_v2.yaml: more held-out rule phrasings); stored under its own "
+                    "key")
     va.set_defaults(func=_validate)
     cp = osub.add_parser("compare", help="paired accuracy difference of two recipes on the larger validation cells")
     cp.add_argument("recipe", help="primary alias of the recipe judged")
     cp.add_argument("reference", help="primary alias of the recipe it is judged against")
     cp.add_argument("--split", choices=["validation", "test"], default="validation",
                     help="test: the fresh test draws (reported, never used to choose)")
+    cp.add_argument("--words", default=None, help="compare the draws made with this word list (validate --words)")
     cp.set_defaults(func=_compare)

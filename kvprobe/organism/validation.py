@@ -29,7 +29,32 @@ DRAW_SEEDS = {"validation": {"validation_unseen_format": 40_000, "validation_tra
 """Draw seeds of the larger cells; the cards' own cells use 10_000-14_000."""
 LARGE_VALIDATION_SEEDS = DRAW_SEEDS["validation"]
 BLOCK_KEYS = {"validation": "validation_large", "test": "test_large"}
-"""Where each split's larger draw is stored in the primary card."""
+"""Where each split's larger draw is stored in the primary card (drawn with the recipe's own word list)."""
+
+
+def block_key(split: str, words: str | None = None) -> str:
+    """The card key of a larger draw of ``split``: :data:`BLOCK_KEYS`, suffixed ``@<word list stem>`` when
+    drawn with another word list than the default one every recipe uses (``--words``; e.g.
+    ``validation_large@scenario_words_v2``)."""
+    from kvprobe.cache_dir import project_path
+    from kvprobe.tasks.generator import WORDS_FILE
+
+    if words is None or project_path(words).resolve() == WORDS_FILE.resolve():
+        return BLOCK_KEYS[split]
+    return f"{BLOCK_KEYS[split]}@{Path(words).stem}"
+
+
+def _with_words(recipe: Any, words: str | None) -> tuple[Any, str | None]:
+    """The recipe drawing from ``words`` (None or the recipe's own list: unchanged, and None)."""
+    import dataclasses
+
+    from kvprobe.cache_dir import project_path
+
+    if words is None or words == recipe.words:
+        return recipe, None
+    if not project_path(words).is_file():
+        raise KVProbeError(f"--words {words}: no such word list (e.g. kvprobe/tasks/data/scenario_words_v2.yaml)")
+    return dataclasses.replace(recipe, words=words), words
 
 CELL_LABELS = {"validation_unseen_format": "few_shot (validation format)",
                "validation_train_formats": "train formats",
@@ -39,10 +64,10 @@ LABEL_WIDTH = max(len(label) for label in [*CELL_LABELS.values(), "both cells"])
 """Column width that fits every cell label in the command-line summaries."""
 
 
-def larger_draw_sets(lm: Any, recipe: Any, pairs: int, split: str = "validation"
-                          ) -> dict[str, list[tuple[Any, Any]]]:
+def larger_draw_sets(lm: Any, recipe: Any, pairs: int, split: str = "validation", words: str | None = None
+                     ) -> dict[str, list[tuple[Any, Any]]]:
     """The two cells of ``split`` (its families in the held-out formats and in the train formats), ``pairs``
-    pairs each, drawn independently of the training seed."""
+    pairs each, drawn independently of the training seed; from the word list ``words`` (None: the recipe's)."""
     from kvprobe.organism.train import _drawn_set, _train_formats
     from kvprobe.tasks.generator import FORMAT_SPLITS
 
@@ -50,6 +75,7 @@ def larger_draw_sets(lm: Any, recipe: Any, pairs: int, split: str = "validation"
         raise KVProbeError(f"pairs={pairs}: a cell needs at least 2 pairs (--pairs)")
     if split not in DRAW_SEEDS:
         raise KVProbeError(f"split={split!r}: one of {', '.join(DRAW_SEEDS)} (--split)")
+    recipe, _ = _with_words(recipe, words)
     formats = {f"{split}_unseen_format{'s' if split == 'test' else ''}": tuple(FORMAT_SPLITS[split]),
                f"{split}_train_formats": tuple(_train_formats(recipe))}
     return {name: _drawn_set(lm, recipe, split, formats[name], pairs, seed, 0.0)
@@ -62,11 +88,12 @@ def scenario_of(family: str) -> str:
 
 
 def score_larger_draw(folders: list[Path], pairs: int = 64, progress: bool = True,
-                           replace: bool = False, split: str = "validation") -> dict[str, Any]:
+                      replace: bool = False, split: str = "validation", words: str | None = None) -> dict[str, Any]:
     """Score every seed's organism (``folders``: the primary first) on the larger cells of ``split`` and store
     the per-pair logit differences in the primary card (:data:`BLOCK_KEYS`), one seed at a time, so an
     interrupted run resumes with the seeds it has not scored. A stored block for other pairs or other
-    organisms is kept unless ``replace``."""
+    organisms is kept unless ``replace``. ``words``: draw from another word list than the recipe's (stored
+    under its own key, :func:`block_key`)."""
     from tqdm.auto import tqdm
 
     from kvprobe.models.loading import load_model
@@ -76,12 +103,12 @@ def score_larger_draw(folders: list[Path], pairs: int = 64, progress: bool = Tru
     cards = [json.loads((Path(f) / "card.json").read_text()) for f in folders]
     if len(cards) > 1:
         check_same_recipe(cards)
-    recipe = recipe_of(cards[0])
+    recipe, words = _with_words(recipe_of(cards[0]), words)
     base = load_model(recipe.base_model, device="cpu", dtype="float32")
     sets = larger_draw_sets(base, recipe, pairs, split)
-    key = BLOCK_KEYS[split]
+    key = block_key(split, words)
     block: dict[str, Any] = {
-        "pairs_per_cell": pairs, "aliases": [c["alias"] for c in cards],
+        "pairs_per_cell": pairs, "words": recipe.words, "card_key": key, "aliases": [c["alias"] for c in cards],
         "seeds": [c["recipe"]["seed"] for c in cards],
         "data_hash": data_hash([pair for items in sets.values() for _, pair in items]),
         "split": split, "draw_seeds": DRAW_SEEDS[split],
@@ -96,7 +123,7 @@ def score_larger_draw(folders: list[Path], pairs: int = 64, progress: bool = Tru
         if same:
             block["pair_lds"] = old["pair_lds"]  # resume: keep the seeds already scored
         elif not replace:
-            raise KVProbeError(f"{cards[0]['alias']} already holds a larger {split} block for "
+            raise KVProbeError(f"{cards[0]['alias']} already holds a larger {split} block ({key}) for "
                                f"{old.get('aliases')} with {old.get('pairs_per_cell')} pairs per cell; rerun with "
                                "the same --pairs and --seeds to resume it, or add --replace to score anew")
     todo = [(f, c) for f, c in zip(folders, cards) if c["alias"] not in block["pair_lds"]]
@@ -200,50 +227,69 @@ def _small_cells(organisms_dir: Path, block: dict[str, Any]) -> dict[str, str]:
             for name, v in per_cell.items() if v}
 
 
+def _blocks_by_key(folders: list[Path], split: str) -> dict[str, list[tuple[Path, dict[str, Any]]]]:
+    """Per card key of ``split``'s larger draws (the recipe's word list first, then each other list), the
+    (folder, card) of every organism holding one."""
+    out: dict[str, list[tuple[Path, dict[str, Any]]]] = {}
+    for folder in folders:
+        card = json.loads((Path(folder) / "card.json").read_text())
+        for key in card:
+            if (key == BLOCK_KEYS[split] or key.startswith(BLOCK_KEYS[split] + "@")) and card[key]:
+                out.setdefault(key, []).append((Path(folder), card))
+    return dict(sorted(out.items(), key=lambda kv: (kv[0] != BLOCK_KEYS[split], kv[0])))
+
+
+def _word_list_note(key: str) -> str:
+    return "" if "@" not in key else f" ({key.split('@', 1)[1]})"
+
+
 def validation_table(_results_dir: Any = None, folders: list[Path] | None = None,
                      reference: str = "smollm2-135m-gated-v3r") -> str:
     """Markdown: every organism card holding a larger validation block, per cell, with its paired difference
     from the ``reference`` recipe where both were scored on the same pairs (the
-    ``kvprobe:organism_validation`` block of RESULTS.md, regenerated by ``kvprobe report --write``)."""
+    ``kvprobe:organism_validation`` block of RESULTS.md, regenerated by ``kvprobe report --write``). Draws from
+    another word list (``--words``) are rows of their own, labelled with it, compared only among themselves."""
     from kvprobe.models.registry import organism_dirs
 
-    blocks, small, parents = [], [], []
-    for folder in organism_dirs() if folders is None else folders:
-        card = json.loads((Path(folder) / "card.json").read_text())
-        if card.get("validation_large"):
-            blocks.append(card["validation_large"])
-            small.append(_small_cells(Path(folder).parent, card["validation_large"]))
-            parents.append(card["recipe"].get("init_from"))
-    if not blocks:
+    dirs = list(organism_dirs() if folders is None else folders)
+    groups = _blocks_by_key(dirs, "validation")
+    if not groups:
         return ("(no organism card holds a larger validation block yet: `kvprobe organism validate <alias> "
                 "--seeds ...`)")
-    ref = next((b for b in blocks if b["aliases"][0] == reference), None)
-    by_alias = {a: b for b in blocks for a in b["aliases"]}
+    tests = _blocks_by_key(dirs, "test")
     lines = [f"| recipe (seeds scored) | cell | pairs | accuracy, mean +- sd (per seed) | pooled accuracy [95% CI] "
              f"| median flip (nats), mean (per seed) | difference from `{reference}` [95% CI] (seeds) | difference "
              "from the recipe it continues [95% CI] (seeds) | the cards' 16-pair cell: accuracy (per seed) |",
              "|" + "---|" * 9]
-    for b, old, parent in zip(blocks, small, parents):
-        summ = recipe_summary(b)
-        diffs = [paired_difference(b, other) if other is not None and other is not b
-                 and other["data_hash"] == b["data_hash"] else None for other in (ref, by_alias.get(parent))]
-        seeds = ", ".join(str(s) for s, a in zip(b["seeds"], b["aliases"]) if a in b["pair_lds"])
-        for name, cell in summ["cells"].items():
-            acc, flip, p = cell["accuracy"], cell["median_flip"], cell["pooled"]
-            sd = "" if acc["sd"] is None else f" +- {acc['sd']:.2f}"
-            d = [_difference_cell(diff, name) for diff in diffs]
-            d[1] = d[1] if d[1] == "-" else f"`{by_alias[parent]['aliases'][0]}`: {d[1]}"
-            label = "both cells" if name == "both" else CELL_LABELS[name]
-            lines.append(f"| `{b['aliases'][0]}` ({seeds}) | {label} | {cell['n_pairs']} | {acc['mean']:.2f}{sd} "
-                         f"({' / '.join(f'{v:.2f}' for v in acc['per_seed'])}) | {p['mean']:.2f} "
-                         f"[{p['ci_low']:.2f}, {p['ci_high']:.2f}] | {flip['mean']:.1f} "
-                         f"({' / '.join(f'{v:.1f}' for v in flip['per_seed'])}) | {d[0]} | {d[1]} | "
-                         f"{old.get(name, '-')} |")
-    dirs = list(organism_dirs() if folders is None else folders)
-    agree = seed_agreement(blocks, Path(dirs[0]).parent)  # seeds' cards sit beside their primary's
-    if agree:
-        lines += ["", agree]
-    return "\n".join(lines)
+    agreements = []
+    for key, held in groups.items():
+        blocks = [card[key] for _, card in held]
+        small = [_small_cells(folder.parent, card[key]) for folder, card in held]
+        parents = [card["recipe"].get("init_from") for _, card in held]
+        ref = next((b for b in blocks if b["aliases"][0] == reference), None)
+        by_alias = {a: b for b in blocks for a in b["aliases"]}
+        for b, old, parent in zip(blocks, small, parents):
+            summ = recipe_summary(b)
+            diffs = [paired_difference(b, other) if other is not None and other is not b
+                     and other["data_hash"] == b["data_hash"] else None for other in (ref, by_alias.get(parent))]
+            seeds = ", ".join(str(s) for s, a in zip(b["seeds"], b["aliases"]) if a in b["pair_lds"])
+            for name, cell in summ["cells"].items():
+                acc, flip, p = cell["accuracy"], cell["median_flip"], cell["pooled"]
+                sd = "" if acc["sd"] is None else f" +- {acc['sd']:.2f}"
+                d = [_difference_cell(diff, name) for diff in diffs]
+                d[1] = d[1] if d[1] == "-" else f"`{by_alias[parent]['aliases'][0]}`: {d[1]}"
+                label = "both cells" if name == "both" else CELL_LABELS[name]
+                lines.append(f"| `{b['aliases'][0]}`{_word_list_note(key)} ({seeds}) | {label} | {cell['n_pairs']} | "
+                             f"{acc['mean']:.2f}{sd} ({' / '.join(f'{v:.2f}' for v in acc['per_seed'])}) | "
+                             f"{p['mean']:.2f} [{p['ci_low']:.2f}, {p['ci_high']:.2f}] | {flip['mean']:.1f} "
+                             f"({' / '.join(f'{v:.1f}' for v in flip['per_seed'])}) | {d[0]} | {d[1]} | "
+                             f"{old.get(name, '-')} |")
+        test_key = BLOCK_KEYS["test"] + key[len(BLOCK_KEYS["validation"]):]
+        test_blocks = [card[test_key] for _, card in tests.get(test_key, [])]
+        agree = seed_agreement(blocks, Path(dirs[0]).parent, test_blocks)  # seeds' cards sit beside their primary's
+        if agree:
+            agreements.append(("Word list " + key.split("@", 1)[1] + ": " if "@" in key else "") + agree)
+    return "\n".join(lines + [line for a in agreements for line in ("", a)])
 
 
 def test_draw_table(_results_dir: Any = None, folders: list[Path] | None = None) -> str:
@@ -255,58 +301,66 @@ def test_draw_table(_results_dir: Any = None, folders: list[Path] | None = None)
     lines = ["| organism (seeds scored) | cell | pairs | accuracy, mean +- sd (per seed) | pooled accuracy [95% CI] | "
              "median flip (nats), mean (per seed) | seeds meeting both goals (accuracy >= 0.9, median flip 2-10) | "
              "the cards' 32-pair cell: accuracy (per seed) |", "|" + "---|" * 8]
-    for folder in organism_dirs() if folders is None else folders:
-        card = json.loads((Path(folder) / "card.json").read_text())
-        block = card.get(BLOCK_KEYS["test"])
-        if not block:
-            continue
-        old = _small_cells(Path(folder).parent, block)
-        seeds = ", ".join(str(s) for s, a in zip(block["seeds"], block["aliases"]) if a in block["pair_lds"])
-        for name, cell in recipe_summary(block)["cells"].items():
-            acc, flip, p = cell["accuracy"], cell["median_flip"], cell["pooled"]
-            sd = "" if acc["sd"] is None else f" +- {acc['sd']:.2f}"
-            met = sum(a >= 0.9 and 2 <= f <= 10 for a, f in zip(acc["per_seed"], flip["per_seed"]))
-            label = "both cells" if name == "both" else CELL_LABELS[name]
-            lines.append(f"| `{block['aliases'][0]}` ({seeds}) | {label} | {cell['n_pairs']} | {acc['mean']:.2f}{sd} "
-                         f"({' / '.join(f'{v:.2f}' for v in acc['per_seed'])}) | {p['mean']:.2f} "
-                         f"[{p['ci_low']:.2f}, {p['ci_high']:.2f}] | {flip['mean']:.1f} "
-                         f"({' / '.join(f'{v:.1f}' for v in flip['per_seed'])}) | {met} / {len(acc['per_seed'])} | "
-                         f"{old.get(name, '-')} |")
+    for key, held in _blocks_by_key(list(organism_dirs() if folders is None else folders), "test").items():
+        for folder, card in held:
+            block = card[key]
+            old = _small_cells(folder.parent, block)
+            seeds = ", ".join(str(s) for s, a in zip(block["seeds"], block["aliases"]) if a in block["pair_lds"])
+            for name, cell in recipe_summary(block)["cells"].items():
+                acc, flip, p = cell["accuracy"], cell["median_flip"], cell["pooled"]
+                sd = "" if acc["sd"] is None else f" +- {acc['sd']:.2f}"
+                met = sum(a >= 0.9 and 2 <= f <= 10 for a, f in zip(acc["per_seed"], flip["per_seed"]))
+                label = "both cells" if name == "both" else CELL_LABELS[name]
+                lines.append(f"| `{block['aliases'][0]}`{_word_list_note(key)} ({seeds}) | {label} | {cell['n_pairs']} "
+                             f"| {acc['mean']:.2f}{sd} ({' / '.join(f'{v:.2f}' for v in acc['per_seed'])}) | "
+                             f"{p['mean']:.2f} [{p['ci_low']:.2f}, {p['ci_high']:.2f}] | {flip['mean']:.1f} "
+                             f"({' / '.join(f'{v:.1f}' for v in flip['per_seed'])}) | {met} / {len(acc['per_seed'])} "
+                             f"| {old.get(name, '-') if '@' not in key else '-'} |")
     if len(lines) == 2:
         return "(no organism card holds a larger test draw yet: `kvprobe organism validate <alias> --split test`)"
     return "\n".join(lines)
 
 
-def seed_agreement(blocks: list[dict[str, Any]], organisms_dir: Path) -> str:
-    """Two sentences: over every scored organism seed, and over recipes (seeds averaged), how the larger draw
+def seed_agreement(blocks: list[dict[str, Any]], organisms_dir: Path,
+                   test_blocks: list[dict[str, Any]] | None = None) -> str:
+    """Sentences: over every scored organism seed, and over recipes (seeds averaged), how the larger draw
     ranks them against the cards' 16-pair cells (is the small set noise?) and against the cards' test sets
-    (does validation predict the test families?); Spearman's rho with its p. The test sets are reported here,
-    never used to choose."""
-    rows, recipes = [], []
+    (does validation predict the test families?); and, where ``test_blocks`` (larger test draws from the same
+    word list) cover at least 4 of those seeds, against them. Spearman's rho with its p. The test sets are
+    reported here, never used to choose."""
+    drawn = {a: statistics.fmean(x for c in cells for x in _pair_scores(t["pair_lds"][a][c]))
+             for t in test_blocks or [] for a in t["pair_lds"]
+             for cells in [[c for c in t["cells"] if c.endswith("unseen_formats")]]}
+    rows, recipes, with_draw = [], [], []
     for b in blocks:
         mine = []
         for alias in (a for a in b["aliases"] if a in b["pair_lds"]):
+            large = statistics.fmean(x for c in b["cells"] for x in _pair_scores(b["pair_lds"][alias][c]))
+            if alias in drawn:
+                with_draw.append((large, drawn[alias]))
             after = _card_heldout(organisms_dir, alias)
             needed = [*b["cells"], "test_unseen_formats", "test_train_formats"]
             if not all(n in after for n in needed):
                 continue
-            large = statistics.fmean(x for c in b["cells"] for x in _pair_scores(b["pair_lds"][alias][c]))
             small = statistics.fmean(after[c]["all"]["accuracy"] for c in b["cells"])
             mine.append((large, small, after["test_unseen_formats"]["all"]["accuracy"],
                          after["test_train_formats"]["all"]["accuracy"]))
         rows += mine
         if mine:
             recipes.append(tuple(statistics.fmean(col) for col in zip(*mine)))
-    if len(rows) < 4:
-        return ""
-    out = (f"Over the {len(rows)} organism seeds scored (both cells, Spearman's rho): the larger draw against the "
-           f"cards' 16-pair cells {_rho_text(rows, 1)}; against the cards' test sets, reported and never used to "
-           f"choose: unseen formats {_rho_text(rows, 2)}, train formats {_rho_text(rows, 3)}.")
+    out = []
+    if len(rows) >= 4:
+        out.append(f"Over the {len(rows)} organism seeds scored (both cells, Spearman's rho): the larger draw against "
+                   f"the cards' 16-pair cells {_rho_text(rows, 1)}; against the cards' test sets, reported and never "
+                   f"used to choose: unseen formats {_rho_text(rows, 2)}, train formats {_rho_text(rows, 3)}.")
     if len(recipes) >= 4:
-        out += (f" Over the {len(recipes)} recipes (their scored seeds averaged): against the 16-pair cells "
-                f"{_rho_text(recipes, 1)}; against the test sets: unseen formats {_rho_text(recipes, 2)}, train "
-                f"formats {_rho_text(recipes, 3)}.")
-    return out
+        out.append(f"Over the {len(recipes)} recipes (their scored seeds averaged): against the 16-pair cells "
+                   f"{_rho_text(recipes, 1)}; against the test sets: unseen formats {_rho_text(recipes, 2)}, train "
+                   f"formats {_rho_text(recipes, 3)}.")
+    if len(with_draw) >= 4:
+        out.append(f"Over the {len(with_draw)} seeds with a larger test draw from the same word list: against its "
+                   f"unseen formats {_rho_text(with_draw, 1)}.")
+    return " ".join(out)
 
 
 def _rho_text(rows: list[tuple[float, ...]], column: int) -> str:
@@ -317,5 +371,6 @@ def _rho_text(rows: list[tuple[float, ...]], column: int) -> str:
     return f"{float(r.statistic):+.2f} (p = {float(r.pvalue):.2g})"
 
 
-__all__ = ["BLOCK_KEYS", "CELL_LABELS", "DRAW_SEEDS", "LABEL_WIDTH", "LARGE_VALIDATION_SEEDS", "larger_draw_sets", "paired_difference", "recipe_summary",
-           "scenario_of", "score_larger_draw", "seed_agreement", "test_draw_table", "validation_table"]
+__all__ = ["block_key", "BLOCK_KEYS", "CELL_LABELS", "DRAW_SEEDS", "LABEL_WIDTH", "LARGE_VALIDATION_SEEDS",
+           "larger_draw_sets", "paired_difference", "recipe_summary", "scenario_of", "score_larger_draw",
+           "seed_agreement", "test_draw_table", "validation_table"]

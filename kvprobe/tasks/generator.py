@@ -25,7 +25,9 @@ of the target; the measured count is recorded in every instance (``distance_toke
 Splits: every word list is split by position (index mod 5: 0-2 train, 3 validation, 4 test), and the
 formats are split too (:data:`FORMAT_SPLITS`), so a test family shares no subject, value pair, action pair
 or rule phrasing with any training family, and two test formats are never seen in training.
-:func:`check_splits` proves the disjointness. Instances are :class:`GeneratedInstance` (a
+:func:`check_splits` proves the disjointness. A word list may add rule phrasings that only the held-out
+splits draw (``heldout_rules``; ``scenario_words_v2.yaml`` gives validation and test four more each, so both
+hold negated and plain phrasings) without changing a single train draw. Instances are :class:`GeneratedInstance` (a
 :class:`~kvprobe.tasks.gated.GatedInstance` with an optional system message) and tokenize with
 :func:`tokenize_generated`, which applies the existing equal-length and contiguity checks of
 :func:`~kvprobe.tasks.gated.tokenize_pair`.
@@ -158,24 +160,34 @@ class Words:
     note_objects: tuple[str, ...]
     note_times: tuple[str, ...]
     note_extras: tuple[str, ...]
+    heldout_rules: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    """Optional rule phrasings only held-out splits draw from, as (split, phrasings): a later word list adds
+    them without changing the train split's draws (``scenario_words_v2.yaml``)."""
 
 
 @lru_cache(maxsize=4)
 def load_words(path: str | Path = WORDS_FILE) -> Words:
-    """The word lists (YAML, the shape of ``kvprobe/tasks/data/scenario_words.yaml``); every entry a string."""
+    """The word lists (YAML, the shape of ``kvprobe/tasks/data/scenario_words.yaml``); every entry a string.
+    ``heldout_rules`` (optional) maps ``validation`` / ``test`` to extra rule phrasings of that split."""
     raw = yaml.safe_load(Path(path).read_text())
-    names = [f.name for f in dataclasses.fields(Words)]
-    if not isinstance(raw, dict) or set(raw) != set(names):
+    names = [f.name for f in dataclasses.fields(Words) if f.name != "heldout_rules"]
+    if not isinstance(raw, dict) or not set(names) <= set(raw) <= {*names, "heldout_rules"}:
         got = sorted(raw) if isinstance(raw, dict) else type(raw).__name__
-        raise KVProbeError(f"{Path(path).name} is not a scenario word list: it needs exactly the keys {names}, "
-                           f"got {got}")
-    out = {}
+        raise KVProbeError(f"{Path(path).name} is not a scenario word list: it needs exactly the keys {names} "
+                           f"(and optionally heldout_rules), got {got}")
+    out: dict[str, Any] = {}
     for name in names:
         entries = [tuple(v) if isinstance(v, list) else v for v in raw[name]]
         flat = [w for e in entries for w in (e if isinstance(e, tuple) else (e,))]
         if not all(isinstance(w, str) for w in flat):  # YAML reads yes/no/on/off as booleans
             raise KVProbeError(f"{Path(path).name}: '{name}' holds a non-string entry; quote it")
         out[name] = tuple(entries)
+    extra = raw.get("heldout_rules") or {}
+    if not isinstance(extra, dict) or not set(extra) <= {"validation", "test"} or not all(
+            isinstance(v, list) and all(isinstance(r, str) for r in v) for v in extra.values()):
+        raise KVProbeError(f"{Path(path).name}: heldout_rules maps 'validation' and/or 'test' to lists of rule "
+                           "phrasings (the train split takes its rules from 'rules' only)")
+    out["heldout_rules"] = tuple((split, tuple(extra[split])) for split in ("validation", "test") if split in extra)
     return Words(**out)
 
 
@@ -190,6 +202,15 @@ def split_list(items: Sequence[Any], split: str) -> list[Any]:
     return [x for i, x in enumerate(items) if split_of_position(i) == split]
 
 
+def split_words(words: Words, kind: str, split: str) -> list[Any]:
+    """The entries of word list ``kind`` in ``split``: its positional share, and for ``rules`` the split's
+    held-out-only phrasings (:attr:`Words.heldout_rules`) after them."""
+    items = split_list(getattr(words, kind), split)
+    if kind == "rules":
+        items += list(dict(words.heldout_rules).get(split, ()))
+    return items
+
+
 def _words_of(entry: Any) -> set[str]:
     return set(entry) if isinstance(entry, tuple) else {entry}
 
@@ -202,10 +223,9 @@ def check_splits(words: Words | None = None) -> dict[str, dict[str, int]]:
     words = words or load_words()
     sizes: dict[str, dict[str, int]] = {}
     for kind in ("subjects", "attributes", "value_pairs", "action_pairs", "rules"):
-        items = getattr(words, kind)
         seen: dict[str, str] = {}
         for split in SPLITS:
-            part = split_list(items, split)
+            part = split_words(words, kind, split)
             if not part:
                 raise KVProbeError(f"word list '{kind}' has no entry in split '{split}'")
             sizes.setdefault(split, {})[kind] = len(part)
@@ -228,7 +248,7 @@ def family_space(split: str, words: Words | None = None) -> int:
     words = words or load_words()
     n = 1
     for kind in ("subjects", "attributes", "value_pairs", "action_pairs", "rules"):
-        n *= len(split_list(getattr(words, kind), split))
+        n *= len(split_words(words, kind, split))
     return n
 
 
@@ -268,7 +288,7 @@ def _collides(fam: Family) -> bool:
 
 def sample_family(rng: random.Random, split: str, words: Words | None = None) -> Family:
     words = words or load_words()
-    parts = {k: split_list(getattr(words, k), split)
+    parts = {k: split_words(words, k, split)
              for k in ("subjects", "attributes", "value_pairs", "action_pairs", "rules")}
     for _ in range(100):
         fam = Family(rng.choice(parts["subjects"]), rng.choice(parts["attributes"]),
