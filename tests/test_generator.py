@@ -577,7 +577,7 @@ def test_larger_validation_scores_fresh_draws_per_seed_resumes_and_compares(tiny
     import kvprobe.organism.seeds as seeds_mod
     from kvprobe.models.loading import load_model
     from kvprobe.organism.train import _eval_sets, train_organism
-    from kvprobe.organism.validation import (larger_draw_sets, paired_difference, recipe_summary,
+    from kvprobe.organism.validation import (larger_draw_sets, paired_difference, phrasing_table, recipe_summary,
                                              score_larger_draw, test_draw_table, validation_table)
 
     monkeypatch.setenv("KVPROBE_CACHE", str(tmp_path / "cache"))
@@ -662,6 +662,13 @@ def test_larger_validation_scores_fresh_draws_per_seed_resumes_and_compares(tiny
     assert added & {i.family.rsplit("#", 1)[1] for items in drawn.values() for i, _ in items}
     table = validation_table(folders=folders, reference="tiny-v3-s0").splitlines()
     assert len(table) == 2 + 3 + 3 and "`tiny-v3-s0` (scenario_words_v2) (0)" in table[-1]
+    phrasings = phrasing_table(folders=folders).splitlines()  # only the draws that record their phrasings
+    header = [c.strip() for c in phrasings[0].split("|")]
+    assert len(phrasings) == 2 + 6 + 2  # validation: 2 + 4 added phrasings; test: the recipe list's 2
+    assert sum("| yes |" in row for row in phrasings) == 4
+    col = header.index("`tiny-v3-s0` (scenario_words_v2), validation draw (1 seeds)")
+    counts = [row.split("|")[col].strip() for row in phrasings[2:]]
+    assert sum(int(c.split("(")[1].rstrip(")")) for c in counts if c != "-") == 4  # every pair under its phrasing
     with pytest.raises(KVProbeError, match="no such word list"):
         score_larger_draw(folders[:1], pairs=2, progress=False, words="kvprobe/tasks/data/none.yaml")
 

@@ -82,6 +82,11 @@ def larger_draw_sets(lm: Any, recipe: Any, pairs: int, split: str = "validation"
             for name, seed in DRAW_SEEDS[split].items()}
 
 
+def rule_of(family: str) -> str:
+    """A family's rule phrasing id: the hash after its name's ``#``."""
+    return family.rsplit("#", 1)[1]
+
+
 def scenario_of(family: str) -> str:
     """A family's scenario (field, values, actions): its name without the per-draw ``#`` suffix."""
     return family.split("#", 1)[0]
@@ -114,7 +119,8 @@ def score_larger_draw(folders: list[Path], pairs: int = 64, progress: bool = Tru
         "split": split, "draw_seeds": DRAW_SEEDS[split],
         "cells": {name: {"scenarios": [scenario_of(inst.family) for inst, _ in items],
                          "formats": [inst.meta["format"] for inst, _ in items],
-                         "counterfactual": [bool(inst.meta["counterfactual"]) for inst, _ in items]}
+                         "counterfactual": [bool(inst.meta["counterfactual"]) for inst, _ in items],
+                         "rules": [rule_of(inst.family) for inst, _ in items]}
                   for name, items in sets.items()},
         "pair_lds": {}}
     old = cards[0].get(key)
@@ -321,6 +327,53 @@ def test_draw_table(_results_dir: Any = None, folders: list[Path] | None = None)
     return "\n".join(lines)
 
 
+def phrasing_table(_results_dir: Any = None, folders: list[Path] | None = None) -> str:
+    """Markdown: accuracy per rule phrasing on every larger draw that records its phrasings (draws made since
+    they were stored), one column per organism and draw: the pairs of that phrasing over both cells, averaged
+    over the scored seeds (the ``kvprobe:organism_phrasings`` block of RESULTS.md). Shows which phrasings a
+    held-out split's accuracy rests on; test draws are reported, never used to choose."""
+    import hashlib
+
+    from kvprobe.cache_dir import project_path
+    from kvprobe.models.registry import organism_dirs
+    from kvprobe.tasks.generator import load_words, split_words
+
+    dirs = list(organism_dirs() if folders is None else folders)
+    columns, phrasings = [], {}
+    for split in ("validation", "test"):
+        for key, held in _blocks_by_key(dirs, split).items():
+            for _, card in held:
+                block = card[key]
+                if not all("rules" in c for c in block["cells"].values()):
+                    continue
+                words = load_words(project_path(block.get("words", "kvprobe/tasks/data/scenario_words.yaml")))
+                added = set(dict(words.heldout_rules).get(split, ()))
+                for rule in split_words(words, "rules", split):
+                    rid = hashlib.sha256(rule.encode()).hexdigest()[:6]
+                    phrasings.setdefault((split, rid), (rule, rule in added))
+                aliases = [a for a in block["aliases"] if a in block["pair_lds"]]
+                per_rule: dict[str, list[float]] = {}
+                for cell, meta in block["cells"].items():
+                    scores = _pooled([_pair_scores(block["pair_lds"][a][cell]) for a in aliases])
+                    for rid, score in zip(meta["rules"], scores):
+                        per_rule.setdefault(rid, []).append(score)
+                columns.append((f"`{block['aliases'][0]}`{_word_list_note(key)}, {split} draw ({len(aliases)} seeds)",
+                                split, per_rule))
+    if not columns:
+        return ("(no larger draw records its rule phrasings yet: `kvprobe organism validate <alias> --seeds ... "
+                "--words kvprobe/tasks/data/scenario_words_v2.yaml`)")
+    lines = ["| split | rule phrasing | added in the word list | " + " | ".join(c[0] for c in columns) + " |",
+             "|" + "---|" * (3 + len(columns))]
+    for (split, rid), (rule, is_added) in phrasings.items():
+        cells = []
+        for _, col_split, per_rule in columns:
+            got = per_rule.get(rid) if col_split == split else None
+            cells.append(f"{statistics.fmean(got):.2f} ({len(got)})" if got else "-")
+        lines.append(f"| {split} | {rule.replace('|', '/')} | {'yes' if is_added else 'no'} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def seed_agreement(blocks: list[dict[str, Any]], organisms_dir: Path,
                    test_blocks: list[dict[str, Any]] | None = None) -> str:
     """Sentences: over every scored organism seed, and over recipes (seeds averaged), how the larger draw
@@ -372,5 +425,5 @@ def _rho_text(rows: list[tuple[float, ...]], column: int) -> str:
 
 
 __all__ = ["block_key", "BLOCK_KEYS", "CELL_LABELS", "DRAW_SEEDS", "LABEL_WIDTH", "LARGE_VALIDATION_SEEDS",
-           "larger_draw_sets", "paired_difference", "recipe_summary", "scenario_of", "score_larger_draw",
-           "seed_agreement", "test_draw_table", "validation_table"]
+           "larger_draw_sets", "paired_difference", "phrasing_table", "recipe_summary", "rule_of", "scenario_of",
+           "score_larger_draw", "seed_agreement", "test_draw_table", "validation_table"]

@@ -105,6 +105,12 @@ def _organism_test_draw_block(results_dir: str | Path) -> str:
     return test_draw_table(results_dir)
 
 
+def _organism_phrasings_block(results_dir: str | Path) -> str:
+    from kvprobe.organism.validation import phrasing_table
+
+    return phrasing_table(results_dir)
+
+
 GENERATORS: dict[str, Callable[[str | Path], str]] = {
     "report": lambda d: markdown_table(report_rows(d)),
     "headlines": headline_table,
@@ -112,6 +118,7 @@ GENERATORS: dict[str, Callable[[str | Path], str]] = {
     "organism_seeds": _organism_seeds_block,
     "organism_validation": _organism_validation_block,
     "organism_test_draw": _organism_test_draw_block,
+    "organism_phrasings": _organism_phrasings_block,
 }
 
 
