@@ -74,3 +74,17 @@ def test_off_template_records_never_replace_the_main_bar(tmp_path):
     assert not (tmp_path / "a.png").exists()
     figC_offtemplate([main_rec, off_rec], tmp_path / "c.png")
     assert (tmp_path / "c.png").stat().st_size > 5000
+
+
+def test_organisms_notebook_runs_on_the_committed_cards(tmp_path):
+    """notebooks/organisms.ipynb reads the organism cards the package ships (no records needed)."""
+    import nbformat
+    from nbconvert.preprocessors import ExecutePreprocessor
+
+    nb = nbformat.read(REPO / "notebooks" / "organisms.ipynb", as_version=4)
+    ExecutePreprocessor(timeout=120, kernel_name="python3").preprocess(nb, {"metadata": {"path": str(tmp_path)}})
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    assert not any(o.get("output_type") == "error" for o in outputs), outputs
+    text = json.dumps(outputs)
+    assert "validation_large" in text and "smollm2-135m-gated-v3r" in text
+    assert any(o.get("output_type") == "display_data" for o in outputs)  # the validation-against-test scatter
