@@ -666,7 +666,8 @@ def test_larger_validation_scores_fresh_draws_per_seed_resumes_and_compares(tiny
     header = [c.strip() for c in phrasings[0].split("|")]
     assert len(phrasings) == 2 + 6 + 2  # validation: 2 + 4 added phrasings; test: the recipe list's 2
     assert sum("| yes |" in row for row in phrasings) == 4
-    col = header.index("`tiny-v3-s0` (scenario_words_v2), validation draw (1 seeds)")
+    assert "`tiny-v3-s0` (seeds: validation 1, test 2)" in header  # one column per recipe and word list
+    col = header.index("`tiny-v3-s0` (scenario_words_v2) (seeds: validation 1)")
     counts = [row.split("|")[col].strip() for row in phrasings[2:]]
     assert sum(int(c.split("(")[1].rstrip(")")) for c in counts if c != "-") == 4  # every pair under its phrasing
     with pytest.raises(KVProbeError, match="no such word list"):

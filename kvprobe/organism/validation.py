@@ -328,10 +328,11 @@ def test_draw_table(_results_dir: Any = None, folders: list[Path] | None = None)
 
 
 def phrasing_table(_results_dir: Any = None, folders: list[Path] | None = None) -> str:
-    """Markdown: accuracy per rule phrasing on every larger draw that records its phrasings (draws made since
-    they were stored), one column per organism and draw: the pairs of that phrasing over both cells, averaged
-    over the scored seeds (the ``kvprobe:organism_phrasings`` block of RESULTS.md). Shows which phrasings a
-    held-out split's accuracy rests on; test draws are reported, never used to choose."""
+    """Markdown: accuracy per rule phrasing on the larger draws that record their phrasings (draws made since
+    they were stored), one column per recipe and word list: a validation phrasing's row from its validation
+    draw, a test phrasing's from its test draw; the pairs of that phrasing over both cells, averaged over the
+    scored seeds (the ``kvprobe:organism_phrasings`` block of RESULTS.md). Shows which phrasings a held-out
+    split's accuracy rests on; test draws are reported, never used to choose."""
     import hashlib
 
     from kvprobe.cache_dir import project_path
@@ -339,7 +340,9 @@ def phrasing_table(_results_dir: Any = None, folders: list[Path] | None = None) 
     from kvprobe.tasks.generator import load_words, split_words
 
     dirs = list(organism_dirs() if folders is None else folders)
-    columns, phrasings = [], {}
+    columns: dict[str, dict[tuple[str, str], list[float]]] = {}
+    seeds: dict[str, dict[str, int]] = {}
+    phrasings: dict[tuple[str, str], tuple[str, bool]] = {}
     for split in ("validation", "test"):
         for key, held in _blocks_by_key(dirs, split).items():
             for _, card in held:
@@ -349,26 +352,23 @@ def phrasing_table(_results_dir: Any = None, folders: list[Path] | None = None) 
                 words = load_words(project_path(block.get("words", "kvprobe/tasks/data/scenario_words.yaml")))
                 added = set(dict(words.heldout_rules).get(split, ()))
                 for rule in split_words(words, "rules", split):
-                    rid = hashlib.sha256(rule.encode()).hexdigest()[:6]
-                    phrasings.setdefault((split, rid), (rule, rule in added))
+                    phrasings.setdefault((split, hashlib.sha256(rule.encode()).hexdigest()[:6]), (rule, rule in added))
                 aliases = [a for a in block["aliases"] if a in block["pair_lds"]]
-                per_rule: dict[str, list[float]] = {}
+                column = f"`{block['aliases'][0]}`{_word_list_note(key)}"
+                seeds.setdefault(column, {})[split] = len(aliases)
                 for cell, meta in block["cells"].items():
                     scores = _pooled([_pair_scores(block["pair_lds"][a][cell]) for a in aliases])
                     for rid, score in zip(meta["rules"], scores):
-                        per_rule.setdefault(rid, []).append(score)
-                columns.append((f"`{block['aliases'][0]}`{_word_list_note(key)}, {split} draw ({len(aliases)} seeds)",
-                                split, per_rule))
+                        columns.setdefault(column, {}).setdefault((split, rid), []).append(score)
     if not columns:
         return ("(no larger draw records its rule phrasings yet: `kvprobe organism validate <alias> --seeds ... "
                 "--words kvprobe/tasks/data/scenario_words_v2.yaml`)")
-    lines = ["| split | rule phrasing | added in the word list | " + " | ".join(c[0] for c in columns) + " |",
+    heads = [f"{c} (seeds: {', '.join(f'{k} {n}' for k, n in seeds[c].items())})" for c in columns]
+    lines = ["| split | rule phrasing | added in the word list | " + " | ".join(heads) + " |",
              "|" + "---|" * (3 + len(columns))]
-    for (split, rid), (rule, is_added) in phrasings.items():
-        cells = []
-        for _, col_split, per_rule in columns:
-            got = per_rule.get(rid) if col_split == split else None
-            cells.append(f"{statistics.fmean(got):.2f} ({len(got)})" if got else "-")
+    for (split, rid), (rule, is_added) in sorted(phrasings.items(), key=lambda kv: (kv[0][0] == "test", kv[1][1])):
+        cells = [f"{statistics.fmean(got):.2f} ({len(got)})" if (got := per.get((split, rid))) else "-"
+                 for per in columns.values()]
         lines.append(f"| {split} | {rule.replace('|', '/')} | {'yes' if is_added else 'no'} | "
                      + " | ".join(cells) + " |")
     return "\n".join(lines)
