@@ -265,7 +265,8 @@ def validation_table(_results_dir: Any = None, folders: list[Path] | None = None
     tests = _blocks_by_key(dirs, "test")
     lines = [f"| recipe (seeds scored) | cell | pairs | accuracy, mean +- sd (per seed) | pooled accuracy [95% CI] "
              f"| median flip (nats), mean (per seed) | difference from `{reference}` [95% CI] (seeds) | difference "
-             "from the recipe it continues [95% CI] (seeds) | the cards' 16-pair cell: accuracy (per seed) |",
+             "from the recipe it continues [95% CI] (seeds) | the cards' own 16-pair cell (word list 1): accuracy "
+             "(per seed) |",
              "|" + "---|" * 9]
     agreements = []
     for key, held in groups.items():
@@ -306,7 +307,7 @@ def test_draw_table(_results_dir: Any = None, folders: list[Path] | None = None)
 
     lines = ["| organism (seeds scored) | cell | pairs | accuracy, mean +- sd (per seed) | pooled accuracy [95% CI] | "
              "median flip (nats), mean (per seed) | seeds meeting both goals (accuracy >= 0.9, median flip 2-10) | "
-             "the cards' 32-pair cell: accuracy (per seed) |", "|" + "---|" * 8]
+             "the cards' own 32-pair cell (word list 1): accuracy (per seed) |", "|" + "---|" * 8]
     for key, held in _blocks_by_key(list(organism_dirs() if folders is None else folders), "test").items():
         for folder, card in held:
             block = card[key]
@@ -321,7 +322,7 @@ def test_draw_table(_results_dir: Any = None, folders: list[Path] | None = None)
                              f"| {acc['mean']:.2f}{sd} ({' / '.join(f'{v:.2f}' for v in acc['per_seed'])}) | "
                              f"{p['mean']:.2f} [{p['ci_low']:.2f}, {p['ci_high']:.2f}] | {flip['mean']:.1f} "
                              f"({' / '.join(f'{v:.1f}' for v in flip['per_seed'])}) | {met} / {len(acc['per_seed'])} "
-                             f"| {old.get(name, '-') if '@' not in key else '-'} |")
+                             f"| {old.get(name, '-')} |")
     if len(lines) == 2:
         return "(no organism card holds a larger test draw yet: `kvprobe organism validate <alias> --split test`)"
     return "\n".join(lines)
