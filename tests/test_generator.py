@@ -577,8 +577,8 @@ def test_larger_validation_scores_fresh_draws_per_seed_resumes_and_compares(tiny
     import kvprobe.organism.seeds as seeds_mod
     from kvprobe.models.loading import load_model
     from kvprobe.organism.train import _eval_sets, train_organism
-    from kvprobe.organism.validation import (larger_draw_sets, paired_difference, phrasing_table, recipe_summary,
-                                             score_larger_draw, test_draw_table, validation_table)
+    from kvprobe.organism.validation import (block_key, larger_draw_sets, paired_difference, phrasing_table,
+                                             recipe_summary, score_larger_draw, test_draw_table, validation_table)
 
     monkeypatch.setenv("KVPROBE_CACHE", str(tmp_path / "cache"))
     folders = [tmp_path / f"tiny-v3-s{s}" for s in (0, 1)]  # named as registered: a folder per alias
@@ -653,7 +653,7 @@ def test_larger_validation_scores_fresh_draws_per_seed_resumes_and_compares(tiny
     v2 = "kvprobe/tasks/data/scenario_words_v2.yaml"
     other = score_larger_draw(folders[:1], pairs=2, progress=False, words=v2)
     card = json.loads((folders[0] / "card.json").read_text())
-    assert other["card_key"] == "validation_large@scenario_words_v2" and card[other["card_key"]] == other
+    assert card[block_key("validation", v2)] == other and "validation_large@scenario_words_v2" in card
     plain = card["validation_large"]
     assert plain["pairs_per_cell"] == 2 and other["data_hash"] != plain["data_hash"]
     added = {hashlib.sha256(r.encode()).hexdigest()[:6]

@@ -62,7 +62,8 @@ def _seeds(args: argparse.Namespace) -> int:
 
 def _validate(args: argparse.Namespace) -> int:
     from kvprobe.organism.seeds import organism_folder
-    from kvprobe.organism.validation import CELL_LABELS, LABEL_WIDTH, recipe_summary, score_larger_draw
+    from kvprobe.organism.validation import (CELL_LABELS, LABEL_WIDTH, block_key, recipe_summary,
+                                             score_larger_draw)
 
     folders = [organism_folder(a) for a in [args.primary, *(args.seeds.split(",") if args.seeds else [])]]
     block = score_larger_draw(folders, pairs=args.pairs, replace=args.replace, split=args.split, words=args.words)
@@ -73,7 +74,7 @@ def _validate(args: argparse.Namespace) -> int:
         print(f"{label:<{LABEL_WIDTH}} accuracy per seed {' / '.join(f'{v:.2f}' for v in acc['per_seed'])}  pooled "
               f"{p['mean']:.2f} [{p['ci_low']:.2f}, {p['ci_high']:.2f}]  median flip per seed {flips}  "
               f"({cell['n_pairs']} pairs)")
-    print(f"written to card.json of {args.primary} ({block['card_key']})")
+    print(f"written to card.json of {args.primary} ({block_key(args.split, args.words)})")
     return 0
 
 

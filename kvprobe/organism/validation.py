@@ -32,29 +32,31 @@ BLOCK_KEYS = {"validation": "validation_large", "test": "test_large"}
 """Where each split's larger draw is stored in the primary card (drawn with the recipe's own word list)."""
 
 
-def block_key(split: str, words: str | None = None) -> str:
-    """The card key of a larger draw of ``split``: :data:`BLOCK_KEYS`, suffixed ``@<word list stem>`` when
-    drawn with another word list than the default one every recipe uses (``--words``; e.g.
-    ``validation_large@scenario_words_v2``)."""
+def _other_words(words: str | None) -> str | None:
+    """``words`` when it names another word list than the default one every recipe draws from, else None."""
     from kvprobe.cache_dir import project_path
     from kvprobe.tasks.generator import WORDS_FILE
 
     if words is None or project_path(words).resolve() == WORDS_FILE.resolve():
-        return BLOCK_KEYS[split]
-    return f"{BLOCK_KEYS[split]}@{Path(words).stem}"
-
-
-def _with_words(recipe: Any, words: str | None) -> tuple[Any, str | None]:
-    """The recipe drawing from ``words`` (None or the recipe's own list: unchanged, and None)."""
-    import dataclasses
-
-    from kvprobe.cache_dir import project_path
-
-    if words is None or words == recipe.words:
-        return recipe, None
+        return None
     if not project_path(words).is_file():
         raise KVProbeError(f"--words {words}: no such word list (e.g. kvprobe/tasks/data/scenario_words_v2.yaml)")
-    return dataclasses.replace(recipe, words=words), words
+    return words
+
+
+def block_key(split: str, words: str | None = None) -> str:
+    """The card key of a larger draw of ``split``: :data:`BLOCK_KEYS`, suffixed ``@<word list stem>`` when
+    drawn with another word list than the default one (``--words``; e.g. ``validation_large@scenario_words_v2``)."""
+    other = _other_words(words)
+    return BLOCK_KEYS[split] if other is None else f"{BLOCK_KEYS[split]}@{Path(other).stem}"
+
+
+def _with_words(recipe: Any, words: str | None) -> Any:
+    """The recipe drawing from ``words`` (None or the default list: the recipe's own)."""
+    import dataclasses
+
+    other = _other_words(words)
+    return recipe if other is None else dataclasses.replace(recipe, words=other)
 
 CELL_LABELS = {"validation_unseen_format": "few_shot (validation format)",
                "validation_train_formats": "train formats",
@@ -75,7 +77,7 @@ def larger_draw_sets(lm: Any, recipe: Any, pairs: int, split: str = "validation"
         raise KVProbeError(f"pairs={pairs}: a cell needs at least 2 pairs (--pairs)")
     if split not in DRAW_SEEDS:
         raise KVProbeError(f"split={split!r}: one of {', '.join(DRAW_SEEDS)} (--split)")
-    recipe, _ = _with_words(recipe, words)
+    recipe = _with_words(recipe, words)
     formats = {f"{split}_unseen_format{'s' if split == 'test' else ''}": tuple(FORMAT_SPLITS[split]),
                f"{split}_train_formats": tuple(_train_formats(recipe))}
     return {name: _drawn_set(lm, recipe, split, formats[name], pairs, seed, 0.0)
@@ -108,12 +110,12 @@ def score_larger_draw(folders: list[Path], pairs: int = 64, progress: bool = Tru
     cards = [json.loads((Path(f) / "card.json").read_text()) for f in folders]
     if len(cards) > 1:
         check_same_recipe(cards)
-    recipe, words = _with_words(recipe_of(cards[0]), words)
+    recipe = _with_words(recipe_of(cards[0]), words)
     base = load_model(recipe.base_model, device="cpu", dtype="float32")
     sets = larger_draw_sets(base, recipe, pairs, split)
     key = block_key(split, words)
     block: dict[str, Any] = {
-        "pairs_per_cell": pairs, "words": recipe.words, "card_key": key, "aliases": [c["alias"] for c in cards],
+        "pairs_per_cell": pairs, "words": recipe.words, "aliases": [c["alias"] for c in cards],
         "seeds": [c["recipe"]["seed"] for c in cards],
         "data_hash": data_hash([pair for items in sets.values() for _, pair in items]),
         "split": split, "draw_seeds": DRAW_SEEDS[split],
@@ -350,7 +352,7 @@ def phrasing_table(_results_dir: Any = None, folders: list[Path] | None = None) 
                 block = card[key]
                 if not all("rules" in c for c in block["cells"].values()):
                     continue
-                words = load_words(project_path(block.get("words", "kvprobe/tasks/data/scenario_words.yaml")))
+                words = load_words(project_path(block["words"]))  # blocks with phrasings name their list
                 added = set(dict(words.heldout_rules).get(split, ()))
                 for rule in split_words(words, "rules", split):
                     phrasings.setdefault((split, hashlib.sha256(rule.encode()).hexdigest()[:6]), (rule, rule in added))

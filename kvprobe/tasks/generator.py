@@ -27,9 +27,9 @@ formats are split too (:data:`FORMAT_SPLITS`), so a test family shares no subjec
 or rule phrasing with any training family, and two test formats are never seen in training.
 :func:`check_splits` proves the disjointness. A word list may add rule phrasings that only the held-out
 splits draw (``heldout_rules``; ``scenario_words_v2.yaml`` gives validation and test four more each, so both
-hold negated and plain phrasings) without changing a single train draw. Instances are :class:`GeneratedInstance` (a
-:class:`~kvprobe.tasks.gated.GatedInstance` with an optional system message) and tokenize with
-:func:`tokenize_generated`, which applies the existing equal-length and contiguity checks of
+hold negated and plain phrasings) without changing a single train draw. Instances are
+:class:`GeneratedInstance` (a :class:`~kvprobe.tasks.gated.GatedInstance` with an optional system message)
+and tokenize with :func:`tokenize_generated`, which applies the existing equal-length and contiguity checks of
 :func:`~kvprobe.tasks.gated.tokenize_pair`.
 """
 
