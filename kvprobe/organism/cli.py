@@ -30,7 +30,7 @@ def _train(args: argparse.Namespace) -> int:
         kwargs["train_scenarios"] = None if args.train_scenarios == "all" else tuple(args.train_scenarios.split(","))
     for name in ("lr", "counterfactual_rules", "pairs_per_step", "lora_r", "init_from", "loss", "margin",
                  "margin_cap", "ce_floor", "kl_weight", "correction", "reasoning", "rule_first", "surface",
-                 "prior_cases", "draw_start", "adapter_dtype"):
+                 "prior_cases", "draw_start", "adapter_dtype", "words"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
     if args.distance_range:
@@ -74,18 +74,19 @@ def _validate(args: argparse.Namespace) -> int:
         print(f"{label:<{LABEL_WIDTH}} accuracy per seed {' / '.join(f'{v:.2f}' for v in acc['per_seed'])}  pooled "
               f"{p['mean']:.2f} [{p['ci_low']:.2f}, {p['ci_high']:.2f}]  median flip per seed {flips}  "
               f"({cell['n_pairs']} pairs)")
-    print(f"written to card.json of {args.primary} ({block_key(args.split, args.words)})")
+    print(f"written to card.json of {args.primary} ({block_key(args.split, block['words'])})")
     return 0
 
 
 def _compare(args: argparse.Namespace) -> int:
     from kvprobe.organism.seeds import organism_folder
-    from kvprobe.organism.validation import CELL_LABELS, LABEL_WIDTH, block_key, paired_difference
+    from kvprobe.organism.validation import CELL_LABELS, LABEL_WIDTH, draw_key, paired_difference
 
     blocks = []
     for alias in (args.recipe, args.reference):
-        key = block_key(args.split, args.words)
-        block = json.loads((organism_folder(alias) / "card.json").read_text()).get(key)
+        card = json.loads((organism_folder(alias) / "card.json").read_text())
+        key = draw_key(card, args.split, args.words)
+        block = card.get(key)
         if block is None:
             from kvprobe.errors import KVProbeError
 
@@ -147,6 +148,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="index of the first training draw: past the draws of the stages a continuation starts "
                     "from, it trains on pairs none of them saw (v3 drew 0-599; v3)")
     tr.add_argument("--distance-range", default=None, help="lo,hi field-to-decision tokens (v3)")
+    tr.add_argument("--words", default=None, help="scenario word list the generator draws from (v3; default "
+                    "kvprobe/tasks/data/scenario_words.yaml; e.g. scenario_words_v3.yaml adds negated train phrasings)")
     tr.add_argument("--adapter-dtype", choices=["float32", "float16"], default=None)
     tr.add_argument("--out", default=None, help="adapter folder (default: inside kvprobe/organism/organisms/)")
     tr.add_argument("--fresh", action="store_true", help="ignore checkpoints and start over")

@@ -136,6 +136,7 @@ def recipe_summary(recipe: Recipe, n_train_scenarios: int) -> str:
                 + (f", {recipe.prior_cases:.0%} of user_turn/document_qa with earlier decided records"
                    if recipe.prior_cases else "")
                 + (f", draws from #{recipe.draw_start}" if recipe.draw_start else "")
+                + (f", word list {Path(recipe.words).stem}" if Path(recipe.words).name != "scenario_words.yaml" else "")
                 + f"; {recipe.loss} loss (margin {recipe.margin}"
                 + (f"-{recipe.margin_cap}" if recipe.margin_cap is not None else "") + " nats), "
                 f"KL weight {recipe.kl_weight}" + (f"; continued from {recipe.init_from}" if recipe.init_from else ""))

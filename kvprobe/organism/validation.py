@@ -32,31 +32,37 @@ BLOCK_KEYS = {"validation": "validation_large", "test": "test_large"}
 """Where each split's larger draw is stored in the primary card (drawn with the recipe's own word list)."""
 
 
-def _other_words(words: str | None) -> str | None:
-    """``words`` when it names another word list than the default one every recipe draws from, else None."""
+def _is_default_words(words: str | None) -> bool:
     from kvprobe.cache_dir import project_path
     from kvprobe.tasks.generator import WORDS_FILE
 
-    if words is None or project_path(words).resolve() == WORDS_FILE.resolve():
-        return None
-    if not project_path(words).is_file():
-        raise KVProbeError(f"--words {words}: no such word list (e.g. kvprobe/tasks/data/scenario_words_v2.yaml)")
-    return words
+    return words is None or project_path(words).resolve() == WORDS_FILE.resolve()
 
 
 def block_key(split: str, words: str | None = None) -> str:
-    """The card key of a larger draw of ``split``: :data:`BLOCK_KEYS`, suffixed ``@<word list stem>`` when
-    drawn with another word list than the default one (``--words``; e.g. ``validation_large@scenario_words_v2``)."""
-    other = _other_words(words)
-    return BLOCK_KEYS[split] if other is None else f"{BLOCK_KEYS[split]}@{Path(other).stem}"
+    """The card key of a larger draw of ``split`` from the word list ``words`` (the list actually drawn from):
+    :data:`BLOCK_KEYS` for the default list, suffixed ``@<word list stem>`` for any other (e.g.
+    ``validation_large@scenario_words_v2``), so draws of different lists never share a key."""
+    return BLOCK_KEYS[split] if _is_default_words(words) else f"{BLOCK_KEYS[split]}@{Path(str(words)).stem}"
 
 
 def _with_words(recipe: Any, words: str | None) -> Any:
-    """The recipe drawing from ``words`` (None or the default list: the recipe's own)."""
+    """The recipe drawing from the word list ``words`` (None: the recipe's own)."""
     import dataclasses
 
-    other = _other_words(words)
-    return recipe if other is None else dataclasses.replace(recipe, words=other)
+    from kvprobe.cache_dir import project_path
+
+    if words is None:
+        return recipe
+    if not project_path(words).is_file():
+        raise KVProbeError(f"--words {words}: no such word list (e.g. kvprobe/tasks/data/scenario_words_v2.yaml)")
+    return dataclasses.replace(recipe, words=words)
+
+
+def draw_key(card: dict[str, Any], split: str, words: str | None = None) -> str:
+    """Where ``card`` stores its larger draw of ``split`` from ``words`` (None: its recipe's own list)."""
+    return block_key(split, words if words is not None else card["recipe"].get("words"))
+
 
 CELL_LABELS = {"validation_unseen_format": "few_shot (validation format)",
                "validation_train_formats": "train formats",
@@ -113,7 +119,7 @@ def score_larger_draw(folders: list[Path], pairs: int = 64, progress: bool = Tru
     recipe = _with_words(recipe_of(cards[0]), words)
     base = load_model(recipe.base_model, device="cpu", dtype="float32")
     sets = larger_draw_sets(base, recipe, pairs, split)
-    key = block_key(split, words)
+    key = block_key(split, recipe.words)
     block: dict[str, Any] = {
         "pairs_per_cell": pairs, "words": recipe.words, "aliases": [c["alias"] for c in cards],
         "seeds": [c["recipe"]["seed"] for c in cards],
@@ -428,5 +434,5 @@ def _rho_text(rows: list[tuple[float, ...]], column: int) -> str:
 
 
 __all__ = ["block_key", "BLOCK_KEYS", "CELL_LABELS", "DRAW_SEEDS", "LABEL_WIDTH", "LARGE_VALIDATION_SEEDS",
-           "larger_draw_sets", "paired_difference", "phrasing_table", "recipe_summary", "rule_of", "scenario_of",
-           "score_larger_draw", "seed_agreement", "test_draw_table", "validation_table"]
+           "draw_key", "larger_draw_sets", "paired_difference", "phrasing_table", "recipe_summary", "rule_of",
+           "scenario_of", "score_larger_draw", "seed_agreement", "test_draw_table", "validation_table"]

@@ -27,7 +27,9 @@ formats are split too (:data:`FORMAT_SPLITS`), so a test family shares no subjec
 or rule phrasing with any training family, and two test formats are never seen in training.
 :func:`check_splits` proves the disjointness. A word list may add rule phrasings that only the held-out
 splits draw (``heldout_rules``; ``scenario_words_v2.yaml`` gives validation and test four more each, so both
-hold negated and plain phrasings) without changing a single train draw. Instances are
+hold negated and plain phrasings) without changing a single train draw, and phrasings that only the train
+split draws (``train_rules``; ``scenario_words_v3.yaml`` adds negated ones) without changing a held-out draw.
+Instances are
 :class:`GeneratedInstance` (a :class:`~kvprobe.tasks.gated.GatedInstance` with an optional system message)
 and tokenize with :func:`tokenize_generated`, which applies the existing equal-length and contiguity checks of
 :func:`~kvprobe.tasks.gated.tokenize_pair`.
@@ -163,18 +165,23 @@ class Words:
     heldout_rules: tuple[tuple[str, tuple[str, ...]], ...] = ()
     """Optional rule phrasings only held-out splits draw from, as (split, phrasings): a later word list adds
     them without changing the train split's draws (``scenario_words_v2.yaml``)."""
+    train_rules: tuple[str, ...] = ()
+    """Optional rule phrasings only the train split draws from: a later word list adds them without changing
+    a single validation or test draw (``scenario_words_v3.yaml``: negated phrasings)."""
 
 
 @lru_cache(maxsize=4)
 def load_words(path: str | Path = WORDS_FILE) -> Words:
     """The word lists (YAML, the shape of ``kvprobe/tasks/data/scenario_words.yaml``); every entry a string.
-    ``heldout_rules`` (optional) maps ``validation`` / ``test`` to extra rule phrasings of that split."""
+    ``heldout_rules`` (optional) maps ``validation`` / ``test`` to extra rule phrasings of that split;
+    ``train_rules`` (optional) lists extra rule phrasings of the train split."""
     raw = yaml.safe_load(Path(path).read_text())
-    names = [f.name for f in dataclasses.fields(Words) if f.name != "heldout_rules"]
-    if not isinstance(raw, dict) or not set(names) <= set(raw) <= {*names, "heldout_rules"}:
+    optional = ("heldout_rules", "train_rules")
+    names = [f.name for f in dataclasses.fields(Words) if f.name not in optional]
+    if not isinstance(raw, dict) or not set(names) <= set(raw) <= {*names, *optional}:
         got = sorted(raw) if isinstance(raw, dict) else type(raw).__name__
         raise KVProbeError(f"{Path(path).name} is not a scenario word list: it needs exactly the keys {names} "
-                           f"(and optionally heldout_rules), got {got}")
+                           f"(and optionally {' / '.join(optional)}), got {got}")
     out: dict[str, Any] = {}
     for name in names:
         entries = [tuple(v) if isinstance(v, list) else v for v in raw[name]]
@@ -186,8 +193,12 @@ def load_words(path: str | Path = WORDS_FILE) -> Words:
     if not isinstance(extra, dict) or not set(extra) <= {"validation", "test"} or not all(
             isinstance(v, list) and all(isinstance(r, str) for r in v) for v in extra.values()):
         raise KVProbeError(f"{Path(path).name}: heldout_rules maps 'validation' and/or 'test' to lists of rule "
-                           "phrasings (the train split takes its rules from 'rules' only)")
+                           "phrasings (train-only phrasings go under train_rules)")
     out["heldout_rules"] = tuple((split, tuple(extra[split])) for split in ("validation", "test") if split in extra)
+    train_extra = raw.get("train_rules") or []
+    if not isinstance(train_extra, list) or not all(isinstance(r, str) for r in train_extra):
+        raise KVProbeError(f"{Path(path).name}: train_rules is a list of rule phrasings (quoted strings)")
+    out["train_rules"] = tuple(train_extra)
     return Words(**out)
 
 
@@ -204,10 +215,10 @@ def split_list(items: Sequence[Any], split: str) -> list[Any]:
 
 def split_words(words: Words, kind: str, split: str) -> list[Any]:
     """The entries of word list ``kind`` in ``split``: its positional share, and for ``rules`` the split's
-    held-out-only phrasings (:attr:`Words.heldout_rules`) after them."""
+    own added phrasings after them (:attr:`Words.heldout_rules`, :attr:`Words.train_rules`)."""
     items = split_list(getattr(words, kind), split)
     if kind == "rules":
-        items += list(dict(words.heldout_rules).get(split, ()))
+        items += list(words.train_rules) if split == "train" else list(dict(words.heldout_rules).get(split, ()))
     return items
 
 
