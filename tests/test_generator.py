@@ -82,6 +82,37 @@ def test_word_list_v2_adds_heldout_rule_phrasings_and_keeps_the_train_draws(tmp_
         load_words(bad)
 
 
+def test_word_list_v3_adds_negated_train_phrasings_and_keeps_the_heldout_draws(tmp_path):
+    from kvprobe.organism.validation import block_key, draw_key
+    from kvprobe.tasks.generator import WORDS_FILE, split_words
+
+    v2, v3 = (load_words(WORDS_FILE.with_name(f"scenario_words_v{n}.yaml")) for n in (2, 3))
+    sizes = check_splits(v3)  # the added phrasings are disjoint from every held-out one
+    assert {s: sizes[s] for s in ("validation", "test")} == {s: check_splits(v2)[s] for s in ("validation", "test")}
+    assert sizes["train"]["rules"] == 6 + len(v3.train_rules) and len(v3.train_rules) == 7
+    for split in ("validation", "test"):  # held-out draws are version 2's, draw for draw
+        for i in range(200):
+            assert sample_family(random.Random(i), split, v3) == sample_family(random.Random(i), split, v2)
+    assert set(v3.train_rules) & {sample_family(random.Random(i), "train", v3).rule for i in range(200)}
+    for rule in v3.train_rules:  # negated, naming all five slots, and built on none of the held-out negations
+        assert set(re.findall(r"\{(\w+)\}", rule)) == {"field", "a", "b", "x", "y"}
+        assert re.search(r"\b(not|cannot|rules out|prohibited|refrain|exception)\b", rule, re.I)
+        assert not re.search(r"\b(only|unless|otherwise|never|do not|forbidden|permitted)\b", rule, re.I)
+    assert split_words(v3, "rules", "validation") == split_words(v2, "rules", "validation")
+    bad = tmp_path / "w.yaml"
+    bad.write_text(WORDS_FILE.read_text() + "train_rules: {train: x}\n")
+    with pytest.raises(KVProbeError, match="train_rules is a list"):
+        load_words(bad)
+    # larger draws are keyed by the list actually drawn from: the recipe's own, or --words
+    v1_path, v3_path = "kvprobe/tasks/data/scenario_words.yaml", "kvprobe/tasks/data/scenario_words_v3.yaml"
+    assert block_key("test") == block_key("test", v1_path) == "test_large"
+    assert block_key("test", v3_path) == "test_large@scenario_words_v3"
+    card = {"recipe": {"words": v3_path}}
+    assert draw_key(card, "validation") == "validation_large@scenario_words_v3"
+    assert draw_key(card, "validation", v1_path) == "validation_large"
+    assert draw_key({"recipe": {"words": v1_path}}, "validation") == "validation_large"
+
+
 def test_same_seed_same_instances_other_seed_others():
     a = generate(12, seed=3, split="train")
     b = generate(12, seed=3, split="train")
@@ -660,6 +691,11 @@ def test_larger_validation_scores_fresh_draws_per_seed_resumes_and_compares(tiny
              for r in dict(load_words(WORDS_FILE.with_name("scenario_words_v2.yaml")).heldout_rules)["validation"]}
     drawn = larger_draw_sets(lm, recipe, 8, words=v2)
     assert added & {i.family.rsplit("#", 1)[1] for items in drawn.values() for i, _ in items}
+    # a recipe trained on word list v3 draws version 2's held-out pairs, token for token
+    import dataclasses
+    drawn3 = larger_draw_sets(lm, dataclasses.replace(recipe, words="kvprobe/tasks/data/scenario_words_v3.yaml"), 8)
+    assert {n: [p.ids_old for _, p in items] for n, items in drawn3.items()} == \
+        {n: [p.ids_old for _, p in items] for n, items in drawn.items()}
     table = validation_table(folders=folders, reference="tiny-v3-s0").splitlines()
     assert len(table) == 2 + 3 + 3 and "`tiny-v3-s0` (scenario_words_v2) (0)" in table[-1]
     phrasings = phrasing_table(folders=folders).splitlines()  # only the draws that record their phrasings

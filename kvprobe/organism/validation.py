@@ -237,8 +237,14 @@ def _small_cells(organisms_dir: Path, block: dict[str, Any]) -> dict[str, str]:
         for name, acc in zip(block["cells"], accs):
             per_cell[name].append(acc)
         per_cell["both"].append(statistics.fmean(accs))  # the two cells hold equally many pairs
-    return {name: f"{statistics.fmean(v):.2f} ({' / '.join(f'{x:.2f}' for x in v)})"
+    words = _recipe_words(organisms_dir, block["aliases"][0])
+    own = "" if _is_default_words(words) else f", {Path(str(words)).stem}"  # cards draw from their recipe's list
+    return {name: f"{statistics.fmean(v):.2f} ({' / '.join(f'{x:.2f}' for x in v)}{own})"
             for name, v in per_cell.items() if v}
+
+
+def _recipe_words(organisms_dir: Path, alias: str) -> str | None:
+    return json.loads((organisms_dir / alias / "card.json").read_text())["recipe"].get("words")
 
 
 def _blocks_by_key(folders: list[Path], split: str) -> dict[str, list[tuple[Path, dict[str, Any]]]]:
@@ -273,8 +279,8 @@ def validation_table(_results_dir: Any = None, folders: list[Path] | None = None
     tests = _blocks_by_key(dirs, "test")
     lines = [f"| recipe (seeds scored) | cell | pairs | accuracy, mean +- sd (per seed) | pooled accuracy [95% CI] "
              f"| median flip (nats), mean (per seed) | difference from `{reference}` [95% CI] (seeds) | difference "
-             "from the recipe it continues [95% CI] (seeds) | the cards' own 16-pair cell (word list 1): accuracy "
-             "(per seed) |",
+             "from the recipe it continues [95% CI] (seeds) | the cards' own 16-pair cell: accuracy (per seed; "
+             "word list 1 unless named) |",
              "|" + "---|" * 9]
     agreements = []
     for key, held in groups.items():
@@ -315,7 +321,7 @@ def test_draw_table(_results_dir: Any = None, folders: list[Path] | None = None)
 
     lines = ["| organism (seeds scored) | cell | pairs | accuracy, mean +- sd (per seed) | pooled accuracy [95% CI] | "
              "median flip (nats), mean (per seed) | seeds meeting both goals (accuracy >= 0.9, median flip 2-10) | "
-             "the cards' own 32-pair cell (word list 1): accuracy (per seed) |", "|" + "---|" * 8]
+             "the cards' own 32-pair cell: accuracy (per seed; word list 1 unless named) |", "|" + "---|" * 8]
     for key, held in _blocks_by_key(list(organism_dirs() if folders is None else folders), "test").items():
         for folder, card in held:
             block = card[key]
@@ -402,7 +408,8 @@ def seed_agreement(blocks: list[dict[str, Any]], organisms_dir: Path,
                 with_draw.append((large, drawn[alias]))
             after = _card_heldout(organisms_dir, alias)
             needed = [*b["cells"], "test_unseen_formats", "test_train_formats"]
-            if not all(n in after for n in needed):
+            # the cards' own cells are ranked together only when drawn from one word list (the default one)
+            if not all(n in after for n in needed) or not _is_default_words(_recipe_words(organisms_dir, alias)):
                 continue
             small = statistics.fmean(after[c]["all"]["accuracy"] for c in b["cells"])
             mine.append((large, small, after["test_unseen_formats"]["all"]["accuracy"],
