@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvprobe.errors import KVProbeError
-from kvprobe.tasks.generator import (FORMAT_SPLITS, FORMATS, SPLITS, InfeasibleDistance, build_generated,
+from kvprobe.tasks.generator import (FORMAT_SPLITS, FORMATS, SPLITS, Family, InfeasibleDistance, build_generated,
                                      check_splits, distance_tolerance, family_space, field_to_decision_tokens,
                                      generate, load_words, sample_family, split_list, tokenize_generated)
 
@@ -201,6 +201,17 @@ def test_system_user_puts_the_policy_in_the_system_message(real_tokenizer):
     assert plain.system == "" and plain.before_field.startswith("You are an operations assistant")
     with pytest.raises(KVProbeError, match="system message"):
         tokenize_generated(real_tokenizer, dataclasses.replace(plain, system="x"), chat=False)
+    # a rule that quotes the field as the record writes it ("booking_flag: renewed leads to ..."): the
+    # field slots are the user turn's value, not the first match in the system message
+    fam = Family("booking", "flag", ("renewed", "cancelled"), ("continue", "halt"),
+                 "{field}: {a} leads to {x}, {b} leads to {y}.", "validation")
+    quoting = build_generated(0, 0, "validation", "system_user", family=fam, counterfactual=0.0, chat=True,
+                              tokenizer=real_tokenizer)
+    assert "booking_flag: renewed" in quoting.system and quoting.before_field == "booking_flag: "
+    pair = tokenize_generated(real_tokenizer, quoting, chat=True)
+    text = real_tokenizer.decode(pair.ids_old[:pair.field_slots[0]])
+    assert text.rindex("booking_flag:") > text.index("user")
+    assert real_tokenizer.decode(pair.ids_old[pair.field_slots[0]:pair.field_slots[-1] + 1]).strip() == quoting.old_value
 
 
 # -- organism v3 on a tiny model ----------------------------------------------------------------------------

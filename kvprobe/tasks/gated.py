@@ -198,14 +198,31 @@ def action_token(tokenizer: Any, prompt_ids: list[int], prompt: str, action: str
     return int(ids[len(prompt_ids)])
 
 
+def _field_start(prompt_old: str, prompt_new: str, inst: GatedInstance) -> int:
+    """Character index of the field's value: the occurrence of ``before_field`` followed by the old value in
+    one prompt and the new value in the other. Why not the first occurrence: a rule may quote the field the
+    way the record writes it ("booking_flag: renewed leads to ...")."""
+    at = prompt_old.find(inst.before_field)
+    while at >= 0:
+        start = at + len(inst.before_field)
+        if prompt_old.startswith(inst.old_value, start) and prompt_new.startswith(inst.new_value, start) \
+                and prompt_old[:start] == prompt_new[:start]:
+            return start
+        at = prompt_old.find(inst.before_field, at + 1)
+    raise KVProbeError(f"scenario '{inst.scenario}': no place where the two prompts differ by the field's value "
+                       f"after {inst.before_field!r}")
+
+
 def tokenize_pair(tokenizer: Any, inst: GatedInstance, chat: bool) -> TokenizedPair:
     """Tokenize both prompts; refuse if the two values do not take the same number of tokens in context."""
     if tokenizer is None:
         raise KVProbeError("this model has no tokenizer; text tasks need one (add tokenizer files to the model directory)")
     texts, encs = {}, {}
+    prompts = {key: instance_prompt(tokenizer, inst, value, chat)
+               for key, value in (("old", inst.old_value), ("new", inst.new_value))}
+    start = _field_start(prompts["old"][0], prompts["new"][0], inst)
     for key, value in (("old", inst.old_value), ("new", inst.new_value)):
-        prompt, special = instance_prompt(tokenizer, inst, value, chat)
-        start = prompt.index(inst.before_field) + len(inst.before_field)
+        prompt, special = prompts[key]
         texts[key] = (prompt, special, start, start + len(value))
         encs[key] = _encode(tokenizer, prompt, special)
     (ids_old, off_old), (ids_new, off_new) = encs["old"], encs["new"]
