@@ -402,6 +402,12 @@ def test_seed_spread_scores_every_seed_on_the_same_heldout_pairs(tiny_generator_
     blocks = [*spread["sets"].values(), *spread["diagnostics"].values()]
     assert len(table) == 2 + 5 + 4 + 1 + sum(len(b["by_format"]) for b in blocks
                                              if len(b["by_format"]) > 1)  # the card without a spread adds nothing
+    assert all(row.startswith("| `tiny-v3-s0` (0, 1) |") for row in table[2:])
+    card0 = json.loads((tmp_path / "s0" / "card.json").read_text())  # another word list is named on every row
+    card0["recipe"]["words"] = "kvprobe/tasks/data/scenario_words_v3.yaml"
+    (tmp_path / "s0" / "card.json").write_text(json.dumps(card0))
+    assert all(row.startswith("| `tiny-v3-s0` (scenario_words_v3) (0, 1) |")
+               for row in seed_table(folders=[tmp_path / "s0"]).splitlines()[2:])
     diag = spread["diagnostics"]
     assert set(diag) == {"diagnostic_validation_families_test_formats", "diagnostic_test_families_few_shot",
                          "diagnostic_validation_families_few_shot_no_shots", "diagnostic_test_families_few_shot_no_shots"}
