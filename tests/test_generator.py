@@ -745,6 +745,10 @@ def test_seed_agreement_ranks_seeds_against_the_cards_small_and_test_cells(tmp_p
     assert "the 4 organism seeds" in line and "16-pair cells +1.00" in line
     assert "unseen formats -1.00" in line and "train formats +1.00" in line
     assert "recipes" not in line  # one recipe: nothing to rank at that level
+    card = json.loads((tmp_path / "o0" / "card.json").read_text())  # a card drawn from another word list
+    (tmp_path / "o0" / "card.json").write_text(json.dumps({**card, "recipe": {"words": "x/scenario_words_v3.yaml"}}))
+    assert seed_agreement([block], tmp_path) == ""  # its own cells are not ranked with the others': 3 left
+    (tmp_path / "o0" / "card.json").write_text(json.dumps(card))
     assert seed_agreement([{**block, "aliases": block["aliases"][:3]}], tmp_path) == ""  # too few to rank
     recipes = [{**block, "aliases": [a], "pair_lds": {a: block["pair_lds"][a]}} for a in block["aliases"]]
     line = seed_agreement(recipes, tmp_path)

@@ -244,7 +244,7 @@ def _small_cells(organisms_dir: Path, block: dict[str, Any]) -> dict[str, str]:
 
 
 def _recipe_words(organisms_dir: Path, alias: str) -> str | None:
-    return json.loads((organisms_dir / alias / "card.json").read_text())["recipe"].get("words")
+    return json.loads((organisms_dir / alias / "card.json").read_text()).get("recipe", {}).get("words")
 
 
 def _blocks_by_key(folders: list[Path], split: str) -> dict[str, list[tuple[Path, dict[str, Any]]]]:
