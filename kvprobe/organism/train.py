@@ -126,6 +126,8 @@ V3 = dict(data="generator", steps=300, pairs_per_step=2, lr=1e-3, warmup_steps=1
 
 def recipe_summary(recipe: Recipe, n_train_scenarios: int) -> str:
     """One line for the card and `kvprobe models`."""
+    from kvprobe.tasks.generator import is_default_words
+
     if recipe.data == "generator":
         return (f"LoRA r={recipe.lora_r} on {'/'.join(recipe.target_modules)}, {recipe.steps} steps on generated "
                 f"scenarios ({n_train_scenarios} train families, formats {'/'.join(_train_formats(recipe))}), "
@@ -136,7 +138,7 @@ def recipe_summary(recipe: Recipe, n_train_scenarios: int) -> str:
                 + (f", {recipe.prior_cases:.0%} of user_turn/document_qa with earlier decided records"
                    if recipe.prior_cases else "")
                 + (f", draws from #{recipe.draw_start}" if recipe.draw_start else "")
-                + (f", word list {Path(recipe.words).stem}" if Path(recipe.words).name != "scenario_words.yaml" else "")
+                + ("" if is_default_words(recipe.words) else f", word list {Path(recipe.words).stem}")
                 + f"; {recipe.loss} loss (margin {recipe.margin}"
                 + (f"-{recipe.margin_cap}" if recipe.margin_cap is not None else "") + " nats), "
                 f"KL weight {recipe.kl_weight}" + (f"; continued from {recipe.init_from}" if recipe.init_from else ""))

@@ -23,27 +23,22 @@ from pathlib import Path
 from typing import Any
 
 from kvprobe.errors import KVProbeError
+from kvprobe.tasks.generator import is_default_words
 
 DRAW_SEEDS = {"validation": {"validation_unseen_format": 40_000, "validation_train_formats": 41_000},
               "test": {"test_unseen_formats": 42_000, "test_train_formats": 43_000}}
 """Draw seeds of the larger cells; the cards' own cells use 10_000-14_000."""
 LARGE_VALIDATION_SEEDS = DRAW_SEEDS["validation"]
 BLOCK_KEYS = {"validation": "validation_large", "test": "test_large"}
-"""Where each split's larger draw is stored in the primary card (drawn with the recipe's own word list)."""
-
-
-def _is_default_words(words: str | None) -> bool:
-    from kvprobe.cache_dir import project_path
-    from kvprobe.tasks.generator import WORDS_FILE
-
-    return words is None or project_path(words).resolve() == WORDS_FILE.resolve()
+"""Where each split's larger draw from the default word list is stored in the primary card; a draw from any
+other list is stored under the key suffixed with that list's name (:func:`block_key`)."""
 
 
 def block_key(split: str, words: str | None = None) -> str:
     """The card key of a larger draw of ``split`` from the word list ``words`` (the list actually drawn from):
     :data:`BLOCK_KEYS` for the default list, suffixed ``@<word list stem>`` for any other (e.g.
     ``validation_large@scenario_words_v2``), so draws of different lists never share a key."""
-    return BLOCK_KEYS[split] if _is_default_words(words) else f"{BLOCK_KEYS[split]}@{Path(str(words)).stem}"
+    return BLOCK_KEYS[split] if is_default_words(words) else f"{BLOCK_KEYS[split]}@{Path(str(words)).stem}"
 
 
 def _with_words(recipe: Any, words: str | None) -> Any:
@@ -238,7 +233,7 @@ def _small_cells(organisms_dir: Path, block: dict[str, Any]) -> dict[str, str]:
             per_cell[name].append(acc)
         per_cell["both"].append(statistics.fmean(accs))  # the two cells hold equally many pairs
     words = _recipe_words(organisms_dir, block["aliases"][0])
-    own = "" if _is_default_words(words) else f", {Path(str(words)).stem}"  # cards draw from their recipe's list
+    own = "" if is_default_words(words) else f", {Path(str(words)).stem}"  # cards draw from their recipe's list
     return {name: f"{statistics.fmean(v):.2f} ({' / '.join(f'{x:.2f}' for x in v)}{own})"
             for name, v in per_cell.items() if v}
 
@@ -409,7 +404,7 @@ def seed_agreement(blocks: list[dict[str, Any]], organisms_dir: Path,
             after = _card_heldout(organisms_dir, alias)
             needed = [*b["cells"], "test_unseen_formats", "test_train_formats"]
             # the cards' own cells are ranked together only when drawn from one word list (the default one)
-            if not all(n in after for n in needed) or not _is_default_words(_recipe_words(organisms_dir, alias)):
+            if not all(n in after for n in needed) or not is_default_words(_recipe_words(organisms_dir, alias)):
                 continue
             small = statistics.fmean(after[c]["all"]["accuracy"] for c in b["cells"])
             mine.append((large, small, after["test_unseen_formats"]["all"]["accuracy"],

@@ -202,6 +202,13 @@ def load_words(path: str | Path = WORDS_FILE) -> Words:
     return Words(**out)
 
 
+def is_default_words(path: str | Path | None) -> bool:
+    """Whether ``path`` names the default word list (:data:`WORDS_FILE`; None counts as it)."""
+    from kvprobe.cache_dir import project_path
+
+    return path is None or project_path(path).resolve() == WORDS_FILE.resolve()
+
+
 def split_of_position(index: int) -> str:
     """The split a word-list entry belongs to: position mod 5 -> 0-2 train, 3 validation, 4 test."""
     return ("train", "train", "train", "validation", "test")[index % 5]
