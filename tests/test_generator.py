@@ -753,3 +753,51 @@ def test_seed_agreement_ranks_seeds_against_the_cards_small_and_test_cells(tmp_p
     recipes = [{**block, "aliases": [a], "pair_lds": {a: block["pair_lds"][a]}} for a in block["aliases"]]
     line = seed_agreement(recipes, tmp_path)
     assert "Over the 4 recipes" in line and line.count("-1.00") == 2  # each level ranks the unseen test in reverse
+
+
+def _decision_card(folder: Path, alias: str, val_right: list, test_right: list) -> Path:
+    """A primary card whose larger draws decide the first ``k`` of 20 pairs per cell right, one entry per seed
+    in validation and test (``k``, or ``(k_first_cell, k_second_cell)``); 20 scenarios per cell, two phrasings."""
+    def block(split: str, right: list) -> dict:
+        cells = DRAW_SEEDS_FOR_TEST[split]
+        aliases = [alias if s == 0 else f"{alias}-seed{s}" for s in range(len(right))]
+        per_cell = [k if isinstance(k, tuple) else (k, k) for k in right]
+        return {"data_hash": split, "aliases": aliases, "seeds": list(range(len(right))),
+                "cells": {c: {"scenarios": [f"sc{i}" for i in range(20)], "rules": ["r1", "r2"] * 10} for c in cells},
+                "pair_lds": {a: {c: [[-1.0, 1.0]] * k + [[1.0, -1.0]] * (20 - k) for c, k in zip(cells, ks)}
+                             for a, ks in zip(aliases, per_cell)}}
+    (folder / alias).mkdir(parents=True)
+    card = {"alias": alias, "recipe": {"base_model": "tiny"},
+            "validation_large": block("validation", val_right), "test_large": block("test", test_right)}
+    (folder / alias / "card.json").write_text(json.dumps(card))
+    return folder / alias
+
+
+DRAW_SEEDS_FOR_TEST = {"validation": ["validation_unseen_format", "validation_train_formats"],
+                       "test": ["test_unseen_formats", "test_train_formats"]}
+
+
+def test_decision_table_sets_validation_verdicts_beside_the_tests_and_counts_agreement(tmp_path):
+    from kvprobe.organism.validation import decision_table, ranking_reliability
+
+    folders = [_decision_card(tmp_path, "best", [20, 20], [20, 20]),   # validation and test agree: best > worst
+               _decision_card(tmp_path, "worst", [0, 0], [0, 0]),
+               _decision_card(tmp_path, "tied", [20, 20], [10, 10])]   # validation ties it with best; the test does not
+    table = decision_table(folders=folders)
+    rows = {r.split("|")[2].strip(): [c.strip() for c in r.split("|")[3:8]] for r in table.splitlines()[2:5]}
+    assert rows["`best` - `worst` (0, 1; 0, 1)"][1] == "first" and rows["`best` - `worst` (0, 1; 0, 1)"][3] == "first"
+    assert rows["`best` - `tied` (0, 1; 0, 1)"][1] == "neither" and rows["`best` - `tied` (0, 1; 0, 1)"][3] == "first"
+    assert rows["`worst` - `tied` (0, 1; 0, 1)"][1:4:2] == ["second", "second"]
+    assert ("of 3 recipe pairs, validation decided 2; the test's unseen formats agreed on 2, reversed 0, and left 0 "
+            "undecided; of the 1 validation left undecided, the test decided 1.") in table
+    assert ranking_reliability(folders[:2]) == ""  # 4 seeds: too few to rank
+    # Five seeds whose validation cells rank them in reverse of each other; the test's cells agree.
+    ranked = [_decision_card(tmp_path / "r", "r", [(4 * i, 20 - 4 * i) for i in range(5)], [4 * i for i in range(5)])]
+    rel = ranking_reliability(ranked).splitlines()
+    assert len(rel) == 2 + 2 and rel[2].startswith("| validation | scenario_words (v1) | tiny | 5 |")
+    assert rel[2].endswith("| n/a (a half ties every seed) (2 phrasings, 2 splits) |")  # each phrasing: both cells
+    assert rel[2].split("|")[6].strip() == "-1.00" and rel[3].split("|")[6].strip() == "+1.00"
+    assert rel[3].endswith("| +1.00 (2 phrasings, 2 splits) |")
+    (tmp_path / "worst" / "card.json").write_text(json.dumps({**json.loads((tmp_path / "worst" / "card.json")
+                                                                          .read_text()), "test_large": None}))
+    assert "of 1 recipe pairs" in decision_table(folders=folders)  # a recipe without a test draw drops out

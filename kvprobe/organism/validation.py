@@ -427,6 +427,119 @@ def seed_agreement(blocks: list[dict[str, Any]], organisms_dir: Path,
     return " ".join(out)
 
 
+def _verdict(diff: dict[str, Any], cell: str) -> int:
+    """+1 when the cell's 95% CI lies above 0 (the first recipe better), -1 below, 0 across it."""
+    dc = diff["cells"][cell]
+    return 1 if dc["ci_low"] > 0 else -1 if dc["ci_high"] < 0 else 0
+
+
+def decision_table(_results_dir: Any = None, folders: list[Path] | None = None) -> str:
+    """Markdown: does validation's verdict on two recipes predict the test's? Every pair of recipes whose
+    primary cards hold larger validation and test draws of one word list (same pairs, so the paired
+    difference applies): the validation difference over both cells (the choosing rule's quantity) beside the
+    test difference on the unseen formats (the goal's cell), each with its scenario-clustered 95% CI and
+    verdict; then a count of agreements, and how reliably each split ranks the organism seeds within itself
+    (:func:`ranking_reliability`). Read after the fact: it judges the rule, it chooses nothing. Recipe pairs
+    share recipes, so the counts are descriptive, not independent trials (the ``kvprobe:organism_decisions``
+    block of RESULTS.md)."""
+    import itertools
+
+    from kvprobe.models.registry import organism_dirs
+
+    dirs = list(organism_dirs() if folders is None else folders)
+    tests = _blocks_by_key(dirs, "test")
+    names = {1: "first", -1: "second", 0: "neither"}
+    lines = ["| word list | first - second recipe (validation seeds; test seeds) | validation, both cells [95% CI] "
+             "| validation prefers | test, unseen formats [95% CI] | test prefers | test, both cells [95% CI] |",
+             "|" + "---|" * 7]
+    summaries = []
+    for key, held in _blocks_by_key(dirs, "validation").items():
+        test_key = BLOCK_KEYS["test"] + key[len(BLOCK_KEYS["validation"]):]
+        with_test = {card["alias"]: card[test_key] for _, card in tests.get(test_key, [])}
+        both = [(card["alias"], card[key], with_test[card["alias"]]) for _, card in held if card["alias"] in with_test]
+        tally: dict[tuple[int, int], int] = {}
+        for (a, va, ta), (b, vb, tb) in itertools.combinations(both, 2):
+            if va["data_hash"] != vb["data_hash"] or ta["data_hash"] != tb["data_hash"]:
+                continue  # another base model or draw: not paired
+            try:
+                v, t = paired_difference(va, vb), paired_difference(ta, tb)
+            except KVProbeError:
+                continue  # no common scored seed
+            verdicts = (_verdict(v, "both"), _verdict(t, "test_unseen_formats"))
+            tally[verdicts] = tally.get(verdicts, 0) + 1
+            lines.append(f"| {key.split('@', 1)[1] if '@' in key else 'scenario_words (v1)'} | `{a}` - `{b}` "
+                         f"({', '.join(map(str, v['seeds']))}; {', '.join(map(str, t['seeds']))}) | "
+                         f"{_difference_cell(v, 'both').rsplit(' (', 1)[0]} | {names[verdicts[0]]} | "
+                         f"{_difference_cell(t, 'test_unseen_formats').rsplit(' (', 1)[0]} | {names[verdicts[1]]} | "
+                         f"{_difference_cell(t, 'both').rsplit(' (', 1)[0]} |")
+        if tally:
+            n = sum(tally.values())
+            decided = sum(c for (vv, _), c in tally.items() if vv)
+            agreed = sum(c for (vv, tt), c in tally.items() if vv and tt == vv)
+            reversed_ = sum(c for (vv, tt), c in tally.items() if vv and tt == -vv)
+            missed = sum(c for (vv, tt), c in tally.items() if not vv and tt)
+            label = key.split("@", 1)[1] if "@" in key else "scenario_words (v1)"
+            summaries.append(f"{label}: of {n} recipe pairs, validation decided {decided}; the test's unseen "
+                             f"formats agreed on {agreed}, reversed {reversed_}, and left {decided - agreed - reversed_}"
+                             f" undecided; of the {n - decided} validation left undecided, the test decided {missed}.")
+    if len(lines) == 2:
+        return ("(no two recipes hold larger validation and test draws of one word list yet: `kvprobe organism "
+                "validate <alias> --seeds ... [--split test]`)")
+    return "\n".join(lines + ["", " ".join(summaries), "", ranking_reliability(dirs)])
+
+
+def ranking_reliability(folders: list[Path]) -> str:
+    """Markdown: how consistently a larger draw ranks the organism seeds within itself (Spearman's rho over
+    seeds between two halves of its pairs), split three ways: by scenario (halves share formats and
+    phrasings: noise alone separates them), by cell (held-out formats against train formats), and by rule
+    phrasing (every balanced split of the draw's phrasings, averaged; draws that record them). A seed ranking
+    that holds across scenarios but not across formats or phrasings is specific to them, and a validation set
+    of other formats and phrasings cannot predict it. One row per split, word list and base model with at
+    least 5 seeds on the same pairs."""
+    import hashlib
+    import itertools
+
+    from scipy.stats import spearmanr
+
+    def rho(seeds: list[tuple[dict[str, Any], str]], first_half: Any) -> float:
+        halves = [[statistics.fmean(x for c in b["cells"] for i, x in enumerate(_pair_scores(b["pair_lds"][a][c]))
+                                    if first_half(b, c, i) == side) for b, a in seeds] for side in (True, False)]
+        if any(len(set(h)) == 1 for h in halves):
+            return float("nan")  # a half that ties every seed ranks nothing
+        return float(spearmanr(*halves).statistic)
+
+    def text(r: float) -> str:
+        return "n/a (a half ties every seed)" if r != r else f"{r:+.2f}"
+
+    def by_scenario(b: dict[str, Any], c: str, i: int) -> bool:
+        return int(hashlib.sha256(b["cells"][c]["scenarios"][i].encode()).hexdigest(), 16) % 2 == 0
+
+    lines = ["| split | word list | base model | seeds | halves by scenario | halves by cell (format) | halves by "
+             "rule phrasing (mean over balanced splits) |", "|" + "---|" * 7]
+    for split in ("validation", "test"):
+        for key, held in _blocks_by_key(folders, split).items():
+            groups: dict[tuple[str, str], list[tuple[dict[str, Any], str]]] = {}
+            for _, card in held:
+                block = card[key]
+                groups.setdefault((card["recipe"]["base_model"], block["data_hash"]), []).extend(
+                    (block, a) for a in block["pair_lds"])
+            for (base, _), seeds in groups.items():
+                if len(seeds) < 5:
+                    continue
+                first = seeds[0][0]
+                cell_one = next(iter(first["cells"]))
+                by_rule = "-"
+                if all("rules" in c for c in first["cells"].values()):
+                    rules = sorted({r for c in first["cells"].values() for r in c["rules"]})
+                    rhos = [rho(seeds, lambda b, c, i, s=frozenset(s): b["cells"][c]["rules"][i] in s)
+                            for s in itertools.combinations(rules, len(rules) // 2)]
+                    by_rule = f"{text(statistics.fmean(rhos))} ({len(rules)} phrasings, {len(rhos)} splits)"
+                lines.append(f"| {split} | {key.split('@', 1)[1] if '@' in key else 'scenario_words (v1)'} | {base} "
+                             f"| {len(seeds)} | {text(rho(seeds, by_scenario))} | "
+                             f"{text(rho(seeds, lambda b, c, i: c == cell_one))} | {by_rule} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def _rho_text(rows: list[tuple[float, ...]], column: int) -> str:
     """Spearman's rho of column 0 (the larger draw) against ``column``, with its p."""
     from scipy.stats import spearmanr
@@ -435,6 +548,6 @@ def _rho_text(rows: list[tuple[float, ...]], column: int) -> str:
     return f"{float(r.statistic):+.2f} (p = {float(r.pvalue):.2g})"
 
 
-__all__ = ["block_key", "BLOCK_KEYS", "CELL_LABELS", "DRAW_SEEDS", "LABEL_WIDTH", "LARGE_VALIDATION_SEEDS",
-           "draw_key", "larger_draw_sets", "paired_difference", "phrasing_table", "recipe_summary", "rule_of",
+__all__ = ["block_key", "BLOCK_KEYS", "CELL_LABELS", "decision_table", "DRAW_SEEDS", "LABEL_WIDTH", "LARGE_VALIDATION_SEEDS",
+           "draw_key", "larger_draw_sets", "paired_difference", "phrasing_table", "ranking_reliability", "recipe_summary", "rule_of",
            "scenario_of", "score_larger_draw", "seed_agreement", "test_draw_table", "validation_table"]

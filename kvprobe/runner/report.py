@@ -111,6 +111,12 @@ def _organism_phrasings_block(results_dir: str | Path) -> str:
     return phrasing_table(results_dir)
 
 
+def _organism_decisions_block(results_dir: str | Path) -> str:
+    from kvprobe.organism.validation import decision_table
+
+    return decision_table(results_dir)
+
+
 GENERATORS: dict[str, Callable[[str | Path], str]] = {
     "report": lambda d: markdown_table(report_rows(d)),
     "headlines": headline_table,
@@ -119,6 +125,7 @@ GENERATORS: dict[str, Callable[[str | Path], str]] = {
     "organism_validation": _organism_validation_block,
     "organism_test_draw": _organism_test_draw_block,
     "organism_phrasings": _organism_phrasings_block,
+    "organism_decisions": _organism_decisions_block,
 }
 
 
