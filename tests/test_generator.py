@@ -725,6 +725,13 @@ def test_larger_validation_scores_fresh_draws_per_seed_resumes_and_compares(tiny
     assert sum(int(c.split("(")[1].rstrip(")")) for c in counts if c != "-") == 4  # every pair under its phrasing
     with pytest.raises(KVProbeError, match="no such word list"):
         score_larger_draw(folders[:1], pairs=2, progress=False, words="kvprobe/tasks/data/none.yaml")
+    # Seeds trained later join a stored block: only they are scored; a run that would drop a seed refuses.
+    one = json.loads((folders[0] / "card.json").read_text())["validation_large"]
+    assert list(one["pair_lds"]) == ["tiny-v3-s0"]
+    both = score_larger_draw(folders, pairs=2, progress=False)
+    assert both["pair_lds"]["tiny-v3-s0"] == one["pair_lds"]["tiny-v3-s0"] and len(both["pair_lds"]) == 2
+    with pytest.raises(KVProbeError, match="at least those --seeds"):
+        score_larger_draw(folders[:1], pairs=2, progress=False)
 
 
 def test_seed_agreement_ranks_seeds_against_the_cards_small_and_test_cells(tmp_path):

@@ -99,8 +99,8 @@ def score_larger_draw(folders: list[Path], pairs: int = 64, progress: bool = Tru
                       replace: bool = False, split: str = "validation", words: str | None = None) -> dict[str, Any]:
     """Score every seed's organism (``folders``: the primary first) on the larger cells of ``split`` and store
     the per-pair logit differences in the primary card (:data:`BLOCK_KEYS`), one seed at a time, so an
-    interrupted run resumes with the seeds it has not scored. A stored block for other pairs or other
-    organisms is kept unless ``replace``. ``words``: draw from another word list than the recipe's (stored
+    interrupted run resumes with the seeds it has not scored, and a rerun with more seeds scores only the new
+    ones. A stored block for other pairs, or with seeds this run would drop, is kept unless ``replace``. ``words``: draw from another word list than the recipe's (stored
     under its own key, :func:`block_key`)."""
     from tqdm.auto import tqdm
 
@@ -128,13 +128,14 @@ def score_larger_draw(folders: list[Path], pairs: int = 64, progress: bool = Tru
         "pair_lds": {}}
     old = cards[0].get(key)
     if old is not None:
-        same = all(old.get(k) == block[k] for k in ("pairs_per_cell", "aliases", "data_hash"))
-        if same:
-            block["pair_lds"] = old["pair_lds"]  # resume: keep the seeds already scored
+        same_draw = all(old.get(k) == block[k] for k in ("pairs_per_cell", "data_hash"))
+        if same_draw and set(old.get("aliases", ())) <= set(block["aliases"]):
+            block["pair_lds"] = old["pair_lds"]  # resume, or add seeds: keep the seeds already scored
         elif not replace:
             raise KVProbeError(f"{cards[0]['alias']} already holds a larger {split} block ({key}) for "
                                f"{old.get('aliases')} with {old.get('pairs_per_cell')} pairs per cell; rerun with "
-                               "the same --pairs and --seeds to resume it, or add --replace to score anew")
+                               "the same --pairs and at least those --seeds to resume or extend it, or add --replace "
+                               "to score anew")
     todo = [(f, c) for f, c in zip(folders, cards) if c["alias"] not in block["pair_lds"]]
     for folder, card in tqdm(todo, desc=f"scoring seeds ({split})", disable=not progress):
         lds = score_organism(Path(folder), card, sets)
