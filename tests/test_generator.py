@@ -725,6 +725,13 @@ def test_larger_validation_scores_fresh_draws_per_seed_resumes_and_compares(tiny
     assert sum(int(c.split("(")[1].rstrip(")")) for c in counts if c != "-") == 4  # every pair under its phrasing
     with pytest.raises(KVProbeError, match="no such word list"):
         score_larger_draw(folders[:1], pairs=2, progress=False, words="kvprobe/tasks/data/none.yaml")
+    # The second validation format: a one-cell draw of the validation families, stored under its own key.
+    email = score_larger_draw(folders[:1], pairs=2, progress=False, split="validation_email")
+    assert list(email["cells"]) == ["validation_email_format"] and email["cells"]["validation_email_format"][
+        "formats"] == ["email", "email"]
+    assert json.loads((folders[0] / "card.json").read_text())["validation_email_large"] == email
+    assert {i.meta["split"] for items in larger_draw_sets(lm, recipe, 2, "validation_email").values()
+            for i, _ in items} == {"validation"}
     # Seeds trained later join a stored block: only they are scored; a run that would drop a seed refuses.
     one = json.loads((folders[0] / "card.json").read_text())["validation_large"]
     assert list(one["pair_lds"]) == ["tiny-v3-s0"]
@@ -762,7 +769,8 @@ def test_seed_agreement_ranks_seeds_against_the_cards_small_and_test_cells(tmp_p
     assert "Over the 4 recipes" in line and line.count("-1.00") == 2  # each level ranks the unseen test in reverse
 
 
-def _decision_card(folder: Path, alias: str, val_right: list, test_right: list) -> Path:
+def _decision_card(folder: Path, alias: str, val_right: list, test_right: list, email_right: list | None = None
+                   ) -> Path:
     """A primary card whose larger draws decide the first ``k`` of 20 pairs per cell right, one entry per seed
     in validation and test (``k``, or ``(k_first_cell, k_second_cell)``); 20 scenarios per cell, two phrasings."""
     def block(split: str, right: list) -> dict:
@@ -776,27 +784,35 @@ def _decision_card(folder: Path, alias: str, val_right: list, test_right: list) 
     (folder / alias).mkdir(parents=True)
     card = {"alias": alias, "recipe": {"base_model": "tiny"},
             "validation_large": block("validation", val_right), "test_large": block("test", test_right)}
+    if email_right is not None:
+        card["validation_email_large"] = block("validation_email", email_right)
     (folder / alias / "card.json").write_text(json.dumps(card))
     return folder / alias
 
 
 DRAW_SEEDS_FOR_TEST = {"validation": ["validation_unseen_format", "validation_train_formats"],
-                       "test": ["test_unseen_formats", "test_train_formats"]}
+                       "test": ["test_unseen_formats", "test_train_formats"],
+                       "validation_email": ["validation_email_format"]}
 
 
 def test_decision_table_sets_validation_verdicts_beside_the_tests_and_counts_agreement(tmp_path):
     from kvprobe.organism.validation import decision_table, ranking_reliability
 
-    folders = [_decision_card(tmp_path, "best", [20, 20], [20, 20]),   # validation and test agree: best > worst
-               _decision_card(tmp_path, "worst", [0, 0], [0, 0]),
-               _decision_card(tmp_path, "tied", [20, 20], [10, 10])]   # validation ties it with best; the test does not
+    folders = [_decision_card(tmp_path, "best", [20, 20], [20, 20], [20, 20]),  # every draw agrees: best > worst
+               _decision_card(tmp_path, "worst", [0, 0], [0, 0], [0, 0]),
+               # validation ties it with best and the test does not; the email draw sees what the test sees
+               _decision_card(tmp_path, "tied", [20, 20], [10, 10], [10, 10])]
     table = decision_table(folders=folders)
-    rows = {r.split("|")[2].strip(): [c.strip() for c in r.split("|")[3:8]] for r in table.splitlines()[2:5]}
-    assert rows["`best` - `worst` (0, 1; 0, 1)"][1] == "first" and rows["`best` - `worst` (0, 1; 0, 1)"][3] == "first"
-    assert rows["`best` - `tied` (0, 1; 0, 1)"][1] == "neither" and rows["`best` - `tied` (0, 1; 0, 1)"][3] == "first"
-    assert rows["`worst` - `tied` (0, 1; 0, 1)"][1:4:2] == ["second", "second"]
-    assert ("of 3 recipe pairs, validation decided 2; the test's unseen formats agreed on 2, reversed 0, and left 0 "
-            "undecided; of the 1 validation left undecided, the test decided 1.") in table
+    rows = {r.split("|")[2].strip(): [c.strip() for c in r.split("|")[3:13]] for r in table.splitlines()[2:5]}
+    verdicts = {k: v[1:8:2] for k, v in rows.items()}  # validation, email, three cells, test
+    assert verdicts["`best` - `worst` (0, 1; test 0, 1)"] == ["first"] * 4
+    assert verdicts["`best` - `tied` (0, 1; test 0, 1)"] == ["neither", "first", "first", "first"]
+    assert verdicts["`worst` - `tied` (0, 1; test 0, 1)"] == ["second"] * 4
+    assert ("validation, both cells: of 3 recipe pairs it decided 2; the test's unseen formats agreed on 2, "
+            "reversed 0, left 0 undecided; of the 1 it left undecided the test decided 1; same three-way verdict "
+            "on 2 of 3.") in table
+    assert "email: of 3 recipe pairs it decided 3; the test's unseen formats agreed on 3" in table
+    assert "three validation cells: of 3 recipe pairs it decided 3" in table
     assert ranking_reliability(folders[:2]) == ""  # 4 seeds: too few to rank
     # Five seeds whose validation cells rank them in reverse of each other; the test's cells agree.
     ranked = [_decision_card(tmp_path / "r", "r", [(4 * i, 20 - 4 * i) for i in range(5)], [4 * i for i in range(5)])]
@@ -808,3 +824,21 @@ def test_decision_table_sets_validation_verdicts_beside_the_tests_and_counts_agr
     (tmp_path / "worst" / "card.json").write_text(json.dumps({**json.loads((tmp_path / "worst" / "card.json")
                                                                           .read_text()), "test_large": None}))
     assert "of 1 recipe pairs" in decision_table(folders=folders)  # a recipe without a test draw drops out
+    card = json.loads((tmp_path / "tied" / "card.json").read_text())
+    del card["validation_email_large"]
+    (tmp_path / "tied" / "card.json").write_text(json.dumps(card))
+    assert "email [95% CI]" in decision_table(folders=folders) and "email: of" not in decision_table(folders=folders)
+
+
+def test_email_is_a_validation_format_drawn_only_on_request_and_carries_no_other_formats_marker():
+    from kvprobe.tasks.generator import EXTRA_HELDOUT_FORMATS, check_splits
+
+    assert EXTRA_HELDOUT_FORMATS == {"validation": ("email",)}
+    assert all("email" not in fmts for fmts in FORMAT_SPLITS.values())  # no card's own cell, no training draw
+    check_splits()  # and it sits in one split only
+    for i in range(40):
+        inst = build_generated(i, 0, "validation", "email", counterfactual=0.5, correction=0.5)
+        text = inst.system + inst.before_field + inst.after_field
+        assert not any(m in text for m in ("Case ", "Rule:", "Policy", "<tool", "log:", "Decide each case"))
+        assert inst.system == "" and inst.meta["rule_at"] == "before_field"
+        assert text.index(inst.field + ": ") > text.index("we handle these as follows")  # the rule comes first

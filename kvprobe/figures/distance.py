@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt
 
 PAPER_POINT = (544, -0.028)
 MARKERS = {"system_user": "o", "user_turn": "s", "document_qa": "^", "few_shot": "D", "tool_call": "v",
-           "gated_template": "X"}
+           "gated_template": "X", "email": "P"}
 
 
 def _cells_per_model(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -68,6 +68,8 @@ def _validate(args: argparse.Namespace) -> int:
     folders = [organism_folder(a) for a in [args.primary, *(args.seeds.split(",") if args.seeds else [])]]
     block = score_larger_draw(folders, pairs=args.pairs, replace=args.replace, split=args.split, words=args.words)
     for name, cell in recipe_summary(block)["cells"].items():
+        if name == "both" and len(block["cells"]) == 1:
+            continue  # a one-cell draw (validation_email): "both" is that cell
         acc, p = cell["accuracy"], cell["pooled"]
         label = "both cells" if name == "both" else CELL_LABELS[name]
         flips = ' / '.join(f'{v:.1f}' for v in cell['median_flip']['per_seed'])
@@ -91,23 +93,29 @@ def _compare(args: argparse.Namespace) -> int:
             from kvprobe.errors import KVProbeError
 
             raise KVProbeError(f"{alias} holds no larger {args.split} block ({key}): run `kvprobe organism validate "
-                               f"{alias} --seeds ...{' --split test' if args.split == 'test' else ''}"
+                               f"{alias} --seeds ...{'' if args.split == 'validation' else ' --split ' + args.split}"
                                f"{' --words ' + args.words if args.words else ''}` first")
         blocks.append(block)
     diff = paired_difference(*blocks)
     for name, c in diff["cells"].items():
+        if name == "both" and len(blocks[0]["cells"]) == 1:
+            continue
         label = "both cells" if name == "both" else CELL_LABELS[name]
         print(f"{label:<{LABEL_WIDTH}} {args.recipe} - {args.reference}: {c['mean']:+.3f} [{c['ci_low']:+.3f}, "
               f"{c['ci_high']:+.3f}]  ({c['n_pairs']} pairs, {c['n_scenarios']} scenarios, seeds "
               f"{', '.join(map(str, diff['seeds']))})")
     if args.split == "validation":
         print(f"preferred over {args.reference} (95% CI of both cells above 0): {diff['preferred']}")
+    elif args.split == "validation_email":
+        print("the second validation format: judged against the test draws before it joins the choosing rule")
     else:
         print("test draws: reported, never used to choose a recipe")
     return 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from kvprobe.organism.validation import DRAW_SEEDS
+
     org = sub.add_parser("organism", help="train model organisms (base model + LoRA adapter)")
     osub = org.add_subparsers(dest="organism_command", required=True)
     tr = osub.add_parser("train", help="fine-tune a LoRA adapter on the gated task (field upstream)")
@@ -164,9 +172,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     va.add_argument("--seeds", default=None, help="comma-separated aliases of the same recipe with other seeds")
     va.add_argument("--pairs", type=int, default=64, help="pairs per validation cell (default 64)")
     va.add_argument("--replace", action="store_true", help="discard a stored block for other pairs or seeds")
-    va.add_argument("--split", choices=["validation", "test"], default="validation",
+    va.add_argument("--split", choices=list(DRAW_SEEDS), default="validation",
                     help="test: a fresh, larger draw of the test cells, to check a test claim (reported, never "
-                    "used to choose a recipe)")
+                    "used to choose a recipe); validation_email: the validation families in the second validation "
+                    "format (one cell)")
     va.add_argument("--words", default=None, help="draw from another word list than the recipe's (e.g. "
                     "kvprobe/tasks/data/scenario_words_v2.yaml: more held-out rule phrasings); stored under its own "
                     "key")
@@ -174,7 +183,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     cp = osub.add_parser("compare", help="paired accuracy difference of two recipes on the larger validation cells")
     cp.add_argument("recipe", help="primary alias of the recipe judged")
     cp.add_argument("reference", help="primary alias of the recipe it is judged against")
-    cp.add_argument("--split", choices=["validation", "test"], default="validation",
+    cp.add_argument("--split", choices=list(DRAW_SEEDS), default="validation",
                     help="test: the fresh test draws (reported, never used to choose)")
     cp.add_argument("--words", default=None, help="compare the draws made with this word list (validate --words)")
     cp.set_defaults(func=_compare)

@@ -26,10 +26,16 @@ from kvprobe.errors import KVProbeError
 from kvprobe.tasks.generator import is_default_words
 
 DRAW_SEEDS = {"validation": {"validation_unseen_format": 40_000, "validation_train_formats": 41_000},
-              "test": {"test_unseen_formats": 42_000, "test_train_formats": 43_000}}
-"""Draw seeds of the larger cells; the cards' own cells use 10_000-14_000."""
+              "test": {"test_unseen_formats": 42_000, "test_train_formats": 43_000},
+              "validation_email": {"validation_email_format": 44_000}}
+"""Draw seeds of the larger cells; the cards' own cells use 10_000-14_000. ``validation_email`` is a draw of
+its own (the validation families in the second validation format,
+:data:`~kvprobe.tasks.generator.EXTRA_HELDOUT_FORMATS`), so the two-cell validation draws made before it
+stay comparable."""
 LARGE_VALIDATION_SEEDS = DRAW_SEEDS["validation"]
-BLOCK_KEYS = {"validation": "validation_large", "test": "test_large"}
+FAMILY_SPLIT = {"validation": "validation", "test": "test", "validation_email": "validation"}
+"""The generator split each draw's families come from."""
+BLOCK_KEYS = {"validation": "validation_large", "test": "test_large", "validation_email": "validation_email_large"}
 """Where each split's larger draw from the default word list is stored in the primary card; a draw from any
 other list is stored under the key suffixed with that list's name (:func:`block_key`)."""
 
@@ -62,7 +68,8 @@ def draw_key(card: dict[str, Any], split: str, words: str | None = None) -> str:
 CELL_LABELS = {"validation_unseen_format": "few_shot (validation format)",
                "validation_train_formats": "train formats",
                "test_unseen_formats": "unseen formats (system_user, tool_call)",
-               "test_train_formats": "train formats"}
+               "test_train_formats": "train formats",
+               "validation_email_format": "email (second validation format)"}
 LABEL_WIDTH = max(len(label) for label in [*CELL_LABELS.values(), "both cells"])
 """Column width that fits every cell label in the command-line summaries."""
 
@@ -72,16 +79,18 @@ def larger_draw_sets(lm: Any, recipe: Any, pairs: int, split: str = "validation"
     """The two cells of ``split`` (its families in the held-out formats and in the train formats), ``pairs``
     pairs each, drawn independently of the training seed; from the word list ``words`` (None: the recipe's)."""
     from kvprobe.organism.train import _drawn_set, _train_formats
-    from kvprobe.tasks.generator import FORMAT_SPLITS
+    from kvprobe.tasks.generator import EXTRA_HELDOUT_FORMATS, FORMAT_SPLITS
 
     if pairs < 2:
         raise KVProbeError(f"pairs={pairs}: a cell needs at least 2 pairs (--pairs)")
     if split not in DRAW_SEEDS:
         raise KVProbeError(f"split={split!r}: one of {', '.join(DRAW_SEEDS)} (--split)")
     recipe = _with_words(recipe, words)
-    formats = {f"{split}_unseen_format{'s' if split == 'test' else ''}": tuple(FORMAT_SPLITS[split]),
+    formats = {"validation_unseen_format": tuple(FORMAT_SPLITS["validation"]),
+               "test_unseen_formats": tuple(FORMAT_SPLITS["test"]),
+               "validation_email_format": tuple(EXTRA_HELDOUT_FORMATS["validation"]),
                f"{split}_train_formats": tuple(_train_formats(recipe))}
-    return {name: _drawn_set(lm, recipe, split, formats[name], pairs, seed, 0.0)
+    return {name: _drawn_set(lm, recipe, FAMILY_SPLIT[split], formats[name], pairs, seed, 0.0)
             for name, seed in DRAW_SEEDS[split].items()}
 
 
@@ -181,6 +190,29 @@ def recipe_summary(block: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _scored_seeds(block: dict[str, Any]) -> dict[int, str]:
+    return {s: a for s, a in zip(block["seeds"], block["aliases"]) if a in block["pair_lds"]}
+
+
+def _pair_differences(block: dict[str, Any], reference: dict[str, Any], cells: list[str], seeds: list[int]
+                      ) -> tuple[list[float], list[str]]:
+    """Per pair of ``cells``: recipe minus reference, each averaged over ``seeds``; and the pairs' scenarios."""
+    if block["data_hash"] != reference["data_hash"]:
+        raise KVProbeError(f"{block['aliases'][0]} and {reference['aliases'][0]} were scored on different "
+                           "pairs (another split, base model, --pairs or train formats): not comparable")
+    mine = _pooled(_seed_scores(block, cells, [_scored_seeds(block)[s] for s in seeds]))
+    theirs = _pooled(_seed_scores(reference, cells, [_scored_seeds(reference)[s] for s in seeds]))
+    return [x - y for x, y in zip(mine, theirs, strict=True)], [s for c in cells for s in block["cells"][c]["scenarios"]]
+
+
+def _common_seeds(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[int]:
+    common = sorted(set.intersection(*(set(_scored_seeds(b)) for pair in pairs for b in pair)))
+    if not common:
+        a, b = pairs[0]
+        raise KVProbeError(f"{a['aliases'][0]} and {b['aliases'][0]} share no scored training seed")
+    return common
+
+
 def paired_difference(block: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
     """Accuracy difference (recipe minus reference) on the same pairs, over the training seeds both recipes
     have scored, per pair averaged over those seeds; scenario-clustered 95% CI. Both blocks must hold the
@@ -188,25 +220,35 @@ def paired_difference(block: dict[str, Any], reference: dict[str, Any]) -> dict[
     from kvprobe.stats.bootstrap import cluster_bootstrap_ci
 
     if block["data_hash"] != reference["data_hash"]:
-        raise KVProbeError(f"{block['aliases'][0]} and {reference['aliases'][0]} were scored on different "
-                           "pairs (another split, base model, --pairs or train formats): not comparable")
-    seeds = {s: a for s, a in zip(block["seeds"], block["aliases"]) if a in block["pair_lds"]}
-    ref_seeds = {s: a for s, a in zip(reference["seeds"], reference["aliases"]) if a in reference["pair_lds"]}
-    common = sorted(set(seeds) & set(ref_seeds))
-    if not common:
-        raise KVProbeError(f"{block['aliases'][0]} and {reference['aliases'][0]} share no scored training seed")
+        _pair_differences(block, reference, [], [])  # raises with the message
+    common = _common_seeds([(block, reference)])
     out: dict[str, Any] = {"seeds": common, "cells": {}}
     for name in [*block["cells"], "both"]:
         cells = list(block["cells"]) if name == "both" else [name]
-        scen = [s for c in cells for s in block["cells"][c]["scenarios"]]
-        mine = _pooled(_seed_scores(block, cells, [seeds[s] for s in common]))
-        theirs = _pooled(_seed_scores(reference, cells, [ref_seeds[s] for s in common]))
-        diff = [x - y for x, y in zip(mine, theirs, strict=True)]
+        diff, scen = _pair_differences(block, reference, cells, common)
         mean, lo, hi = cluster_bootstrap_ci(diff, scen)
         out["cells"][name] = {"mean": mean, "ci_low": lo, "ci_high": hi, "n_pairs": len(diff),
                               "n_scenarios": len(set(scen))}
     out["preferred"] = out["cells"]["both"]["ci_low"] > 0
     return out
+
+
+def pooled_difference(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
+    """The paired difference over every cell of several draws at once (each ``(recipe block, reference
+    block)`` one draw; the seeds every block has scored), clustered by scenario across the draws: the
+    quantity of a choosing rule that reads more than one draw. Returned as :func:`paired_difference`'s
+    ``"both"`` cell."""
+    from kvprobe.stats.bootstrap import cluster_bootstrap_ci
+
+    common = _common_seeds(pairs)
+    diff: list[float] = []
+    scen: list[str] = []
+    for block, reference in pairs:
+        d, s = _pair_differences(block, reference, list(block["cells"]), common)
+        diff, scen = diff + d, scen + s
+    mean, lo, hi = cluster_bootstrap_ci(diff, scen)
+    return {"seeds": common, "cells": {"both": {"mean": mean, "ci_low": lo, "ci_high": hi, "n_pairs": len(diff),
+                                                "n_scenarios": len(set(scen))}}}
 
 
 def _difference_cell(diff: dict[str, Any] | None, cell: str) -> str:
@@ -437,56 +479,77 @@ def _verdict(diff: dict[str, Any], cell: str) -> int:
 def decision_table(_results_dir: Any = None, folders: list[Path] | None = None) -> str:
     """Markdown: does validation's verdict on two recipes predict the test's? Every pair of recipes whose
     primary cards hold larger validation and test draws of one word list (same pairs, so the paired
-    difference applies): the validation difference over both cells (the choosing rule's quantity) beside the
-    test difference on the unseen formats (the goal's cell), each with its scenario-clustered 95% CI and
-    verdict; then a count of agreements, and how reliably each split ranks the organism seeds within itself
-    (:func:`ranking_reliability`). Read after the fact: it judges the rule, it chooses nothing. Recipe pairs
+    difference applies): the validation difference over both cells (the choosing rule's quantity), and where
+    both recipes hold the email draw (the second validation format) its difference and that of all three
+    validation cells pooled, beside the test difference on the unseen formats (the goal's cell), each with its
+    scenario-clustered 95% CI and verdict; then, per validation quantity, a count of agreements with the test
+    and Spearman's rho of the differences, and how reliably each draw ranks the organism seeds within itself
+    (:func:`ranking_reliability`). Read after the fact: it judges rules, it chooses nothing. Recipe pairs
     share recipes, so the counts are descriptive, not independent trials (the ``kvprobe:organism_decisions``
     block of RESULTS.md)."""
     import itertools
 
+    from scipy.stats import spearmanr
+
     from kvprobe.models.registry import organism_dirs
 
     dirs = list(organism_dirs() if folders is None else folders)
-    tests = _blocks_by_key(dirs, "test")
     names = {1: "first", -1: "second", 0: "neither"}
-    lines = ["| word list | first - second recipe (validation seeds; test seeds) | validation, both cells [95% CI] "
-             "| validation prefers | test, unseen formats [95% CI] | test prefers | test, both cells [95% CI] |",
-             "|" + "---|" * 7]
+    quantities = ("validation, both cells", "email", "three validation cells")
+    lines = ["| word list | first - second recipe (seeds) | " + " | ".join(f"{q} [95% CI] | prefers" for q in quantities)
+             + " | test, unseen formats [95% CI] | test prefers | test, both cells [95% CI] |", "|" + "---|" * 11]
     summaries = []
     for key, held in _blocks_by_key(dirs, "validation").items():
-        test_key = BLOCK_KEYS["test"] + key[len(BLOCK_KEYS["validation"]):]
-        with_test = {card["alias"]: card[test_key] for _, card in tests.get(test_key, [])}
-        both = [(card["alias"], card[key], with_test[card["alias"]]) for _, card in held if card["alias"] in with_test]
-        tally: dict[tuple[int, int], int] = {}
-        for (a, va, ta), (b, vb, tb) in itertools.combinations(both, 2):
-            if va["data_hash"] != vb["data_hash"] or ta["data_hash"] != tb["data_hash"]:
+        suffix = key[len(BLOCK_KEYS["validation"]):]
+        cards = [card for _, card in held if card.get(BLOCK_KEYS["test"] + suffix)]
+        label = suffix[1:] if suffix else "scenario_words (v1)"
+        found: dict[str, list[tuple[float, int, float, int]]] = {q: [] for q in quantities}
+        for a, b in itertools.combinations(cards, 2):
+            draws = {d: (a.get(BLOCK_KEYS[d] + suffix), b.get(BLOCK_KEYS[d] + suffix))
+                     for d in ("validation", "test", "validation_email")}
+            if any(x is None or y is None or x["data_hash"] != y["data_hash"] for x, y in
+                   (draws["validation"], draws["test"])):
                 continue  # another base model or draw: not paired
             try:
-                v, t = paired_difference(va, vb), paired_difference(ta, tb)
+                diffs = {quantities[0]: paired_difference(*draws["validation"])}
+                t = paired_difference(*draws["test"])
             except KVProbeError:
                 continue  # no common scored seed
-            verdicts = (_verdict(v, "both"), _verdict(t, "test_unseen_formats"))
-            tally[verdicts] = tally.get(verdicts, 0) + 1
-            lines.append(f"| {key.split('@', 1)[1] if '@' in key else 'scenario_words (v1)'} | `{a}` - `{b}` "
-                         f"({', '.join(map(str, v['seeds']))}; {', '.join(map(str, t['seeds']))}) | "
-                         f"{_difference_cell(v, 'both').rsplit(' (', 1)[0]} | {names[verdicts[0]]} | "
-                         f"{_difference_cell(t, 'test_unseen_formats').rsplit(' (', 1)[0]} | {names[verdicts[1]]} | "
+            email = draws["validation_email"]
+            if email[0] and email[1] and email[0]["data_hash"] == email[1]["data_hash"]:
+                diffs[quantities[1]] = paired_difference(*email)
+                diffs[quantities[2]] = pooled_difference([draws["validation"], email])
+            test_verdict = _verdict(t, "test_unseen_formats")
+            cells = []
+            for q in quantities:
+                d = diffs.get(q)
+                if d is None:
+                    cells += ["-", "-"]
+                    continue
+                found[q].append((d["cells"]["both"]["mean"], _verdict(d, "both"),
+                                 t["cells"]["test_unseen_formats"]["mean"], test_verdict))
+                cells += [_difference_cell(d, "both").rsplit(" (", 1)[0], names[_verdict(d, "both")]]
+            lines.append(f"| {label} | `{a['alias']}` - `{b['alias']}` ({', '.join(map(str, diffs[quantities[0]]['seeds']))}"
+                         f"; test {', '.join(map(str, t['seeds']))}) | {' | '.join(cells)} | "
+                         f"{_difference_cell(t, 'test_unseen_formats').rsplit(' (', 1)[0]} | {names[test_verdict]} | "
                          f"{_difference_cell(t, 'both').rsplit(' (', 1)[0]} |")
-        if tally:
-            n = sum(tally.values())
-            decided = sum(c for (vv, _), c in tally.items() if vv)
-            agreed = sum(c for (vv, tt), c in tally.items() if vv and tt == vv)
-            reversed_ = sum(c for (vv, tt), c in tally.items() if vv and tt == -vv)
-            missed = sum(c for (vv, tt), c in tally.items() if not vv and tt)
-            label = key.split("@", 1)[1] if "@" in key else "scenario_words (v1)"
-            summaries.append(f"{label}: of {n} recipe pairs, validation decided {decided}; the test's unseen "
-                             f"formats agreed on {agreed}, reversed {reversed_}, and left {decided - agreed - reversed_}"
-                             f" undecided; of the {n - decided} validation left undecided, the test decided {missed}.")
+        for q, rows in found.items():
+            if not rows:
+                continue
+            n, decided = len(rows), [r for r in rows if r[1]]
+            agreed = sum(r[3] == r[1] for r in decided)
+            reversed_ = sum(r[3] == -r[1] for r in decided)
+            missed = sum(bool(r[3]) for r in rows if not r[1])
+            rho = (f"; rho of the differences {float(spearmanr([r[0] for r in rows], [r[2] for r in rows]).statistic):+.2f}"
+                   if n >= 4 else "")
+            summaries.append(f"{label}, {q}: of {n} recipe pairs it decided {len(decided)}; the test's unseen formats "
+                             f"agreed on {agreed}, reversed {reversed_}, left {len(decided) - agreed - reversed_} "
+                             f"undecided; of the {n - len(decided)} it left undecided the test decided {missed}; same "
+                             f"three-way verdict on {sum(r[1] == r[3] for r in rows)} of {n}{rho}.")
     if len(lines) == 2:
         return ("(no two recipes hold larger validation and test draws of one word list yet: `kvprobe organism "
                 "validate <alias> --seeds ... [--split test]`)")
-    return "\n".join(lines + ["", " ".join(summaries), "", ranking_reliability(dirs)])
+    return "\n".join(lines + [""] + ["- " + x for x in summaries] + ["", ranking_reliability(dirs)])
 
 
 def ranking_reliability(folders: list[Path]) -> str:
@@ -517,7 +580,7 @@ def ranking_reliability(folders: list[Path]) -> str:
 
     lines = ["| split | word list | base model | seeds | halves by scenario | halves by cell (format) | halves by "
              "rule phrasing (mean over balanced splits) |", "|" + "---|" * 7]
-    for split in ("validation", "test"):
+    for split in ("validation", "validation_email", "test"):
         for key, held in _blocks_by_key(folders, split).items():
             groups: dict[tuple[str, str], list[tuple[dict[str, Any], str]]] = {}
             for _, card in held:
@@ -537,7 +600,8 @@ def ranking_reliability(folders: list[Path]) -> str:
                     by_rule = f"{text(statistics.fmean(rhos))} ({len(rules)} phrasings, {len(rhos)} splits)"
                 lines.append(f"| {split} | {key.split('@', 1)[1] if '@' in key else 'scenario_words (v1)'} | {base} "
                              f"| {len(seeds)} | {text(rho(seeds, by_scenario))} | "
-                             f"{text(rho(seeds, lambda b, c, i: c == cell_one))} | {by_rule} |")
+                             f"{text(rho(seeds, lambda b, c, i: c == cell_one)) if len(first['cells']) > 1 else '- (one cell)'} | "
+                             f"{by_rule} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
@@ -550,5 +614,5 @@ def _rho_text(rows: list[tuple[float, ...]], column: int) -> str:
 
 
 __all__ = ["block_key", "BLOCK_KEYS", "CELL_LABELS", "decision_table", "DRAW_SEEDS", "LABEL_WIDTH", "LARGE_VALIDATION_SEEDS",
-           "draw_key", "larger_draw_sets", "paired_difference", "phrasing_table", "ranking_reliability", "recipe_summary", "rule_of",
+           "draw_key", "larger_draw_sets", "paired_difference", "phrasing_table", "pooled_difference", "ranking_reliability", "recipe_summary", "rule_of",
            "scenario_of", "score_larger_draw", "seed_agreement", "test_draw_table", "validation_table"]

@@ -57,15 +57,22 @@ from kvprobe.tasks.gated import GatedInstance, TokenizedPair, tokenize_pair
 WORDS_FILE = Path(__file__).parent / "data" / "scenario_words.yaml"
 GATED_TEMPLATE = "configs/tasks/gated.yaml"
 SPLITS = ("train", "validation", "test")
-FORMATS = ("system_user", "user_turn", "document_qa", "few_shot", "tool_call", "gated_template")
+FORMATS = ("system_user", "user_turn", "document_qa", "few_shot", "tool_call", "gated_template", "email")
 RULE_POSITIONS = ("format", "before_field", "after_field")
 """Where the rule sits: the format's own place, or moved before / after the field (the same-format test)."""
 FORMAT_RULE_POSITION = {"system_user": "before_field", "user_turn": "before_field", "document_qa": "after_field",
-                        "few_shot": "before_field", "tool_call": "before_field", "gated_template": "after_field"}
+                        "few_shot": "before_field", "tool_call": "before_field", "gated_template": "after_field",
+                        "email": "before_field"}
 RULE_MOVABLE = ("user_turn", "document_qa")
 FORMAT_SPLITS: dict[str, tuple[str, ...]] = {"train": ("gated_template", "user_turn", "document_qa"),
                                              "validation": ("few_shot",),
                                              "test": ("system_user", "tool_call")}
+# Held-out formats drawn only on request, never in a card's own cells, so every draw made before they were
+# added stays what it was. email is a second validation format beside few_shot, as the test split has two:
+# few_shot alone rewarded recipes the unseen test formats did not (RESULTS, the decision table). It carries
+# no marker of another split's format (no "Case", "Rule:", "Policy" label, tool tags, "log:" or system
+# message).
+EXTRA_HELDOUT_FORMATS: dict[str, tuple[str, ...]] = {"validation": ("email",)}
 # Surface variants of the two free-form train formats: the framing text around the record (opening line,
 # labels, record header, field separator, note bullet) is re-drawn, the content is not. Why: an organism
 # trained on three fixed framings can learn the framings instead of the habit of reading the field through
@@ -252,8 +259,8 @@ def check_splits(words: Words | None = None) -> dict[str, dict[str, int]]:
                     if seen.setdefault(w, split) != split:
                         raise KVProbeError(f"'{w}' of word list '{kind}' is in both the {seen[w]} and {split} splits")
     fmt_seen: dict[str, str] = {}
-    for split, fmts in FORMAT_SPLITS.items():
-        for f in fmts:
+    for split in SPLITS:
+        for f in FORMAT_SPLITS[split] + EXTRA_HELDOUT_FORMATS.get(split, ()):
             if fmt_seen.setdefault(f, split) != split:
                 raise KVProbeError(f"format '{f}' is in both the {fmt_seen[f]} and {split} splits")
     if set(fmt_seen) != set(FORMATS):
@@ -434,6 +441,11 @@ def _body(fmt: str, d: _Draw, field_text: str, notes: list[str]) -> tuple[str, s
         # The response is key: value lines, not JSON: a closing quote merges with some values' last token.
         return "", (f"You are an agent with tools. Policy: {d.rule_text}\n\n<tool_call>{call}</tool_call>\n"
                     f"<tool_response>\nid: {d.ref}\n{f}: {field_text}\n</tool_response>\n{note_block}\n"
+                    f"{d.request} {d.question}")
+    if fmt == "email":
+        return "", (f"From: {d.family.subject} coordination\nSubject: {d.family.subject} {d.ref} needs a decision\n\n"
+                    f"Hi,\n\nAs agreed, we handle these as follows. {d.rule_text}\n\nThe {d.family.subject} "
+                    f"{d.ref} came in with these details:\n{f}: {field_text}\n{note_block}\nThanks.\n\n"
                     f"{d.request} {d.question}")
     if fmt == "gated_template":
         t = d.extra["template"]
