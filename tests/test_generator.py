@@ -813,6 +813,8 @@ def test_decision_table_sets_validation_verdicts_beside_the_tests_and_counts_agr
             "on 2 of 3.") in table
     assert "email: of 3 recipe pairs it decided 3; the test's unseen formats agreed on 3" in table
     assert "three validation cells: of 3 recipe pairs it decided 3" in table
+    assert "per organism seed: over the 6 seeds scored on all three draws" in table  # email ranks them as the test
+    assert "email (second validation format) +1.00" in table and "few_shot (validation format) +1.00" not in table
     assert ranking_reliability(folders[:2]) == ""  # 4 seeds: too few to rank
     # Five seeds whose validation cells rank them in reverse of each other; the test's cells agree.
     ranked = [_decision_card(tmp_path / "r", "r", [(4 * i, 20 - 4 * i) for i in range(5)], [4 * i for i in range(5)])]

@@ -546,10 +546,45 @@ def decision_table(_results_dir: Any = None, folders: list[Path] | None = None) 
                              f"agreed on {agreed}, reversed {reversed_}, left {len(decided) - agreed - reversed_} "
                              f"undecided; of the {n - len(decided)} it left undecided the test decided {missed}; same "
                              f"three-way verdict on {sum(r[1] == r[3] for r in rows)} of {n}{rho}.")
+        seed_level = cell_agreement(cards, suffix)
+        if seed_level:
+            summaries.append(f"{label}, per organism seed: {seed_level}")
     if len(lines) == 2:
         return ("(no two recipes hold larger validation and test draws of one word list yet: `kvprobe organism "
                 "validate <alias> --seeds ... [--split test]`)")
     return "\n".join(lines + [""] + ["- " + x for x in summaries] + ["", ranking_reliability(dirs)])
+
+
+def cell_agreement(cards: list[dict[str, Any]], suffix: str = "") -> str:
+    """A sentence: over every organism seed scored on the validation, email and test draws of one word list
+    (``suffix``: ``""`` or ``"@<list>"``), Spearman's rho of each validation cell's accuracy, and of the
+    two-cell rule's, with the test's unseen formats; "" with fewer than 4 such seeds."""
+    from scipy.stats import spearmanr
+
+    acc: dict[str, dict[str, float]] = {}
+    for card in cards:
+        for split in ("validation", "validation_email", "test"):
+            block = card.get(BLOCK_KEYS[split] + suffix)
+            for alias, lds in (block or {}).get("pair_lds", {}).items():
+                cells = acc.setdefault(alias, {})
+                cells.update({c: statistics.fmean(_pair_scores(v)) for c, v in lds.items()})
+                if split == "validation":
+                    cells["two cells"] = statistics.fmean(x for v in lds.values() for x in _pair_scores(v))
+    names = [*DRAW_SEEDS["validation"], "two cells", *DRAW_SEEDS["validation_email"]]
+    seeds = [a for a, cells in acc.items() if all(c in cells for c in [*names, "test_unseen_formats"])]
+    if len(seeds) < 4:
+        return ""
+    rhos = []
+    test = [acc[a]["test_unseen_formats"] for a in seeds]
+    for c in names:
+        mine = [acc[a][c] for a in seeds]
+        if len(set(mine)) == 1 or len(set(test)) == 1:
+            rhos.append(f"{CELL_LABELS.get(c, c + ' (the rule)')} n/a (every seed tied)")
+            continue
+        r = spearmanr(mine, test)
+        rhos.append(f"{CELL_LABELS.get(c, c + ' (the rule)')} {float(r.statistic):+.2f} (p = {float(r.pvalue):.2g})")
+    return (f"over the {len(seeds)} seeds scored on all three draws, Spearman's rho with the test's unseen formats: "
+            + ", ".join(rhos) + ".")
 
 
 def ranking_reliability(folders: list[Path]) -> str:
@@ -613,6 +648,6 @@ def _rho_text(rows: list[tuple[float, ...]], column: int) -> str:
     return f"{float(r.statistic):+.2f} (p = {float(r.pvalue):.2g})"
 
 
-__all__ = ["block_key", "BLOCK_KEYS", "CELL_LABELS", "decision_table", "DRAW_SEEDS", "LABEL_WIDTH", "LARGE_VALIDATION_SEEDS",
+__all__ = ["block_key", "BLOCK_KEYS", "cell_agreement", "CELL_LABELS", "decision_table", "DRAW_SEEDS", "LABEL_WIDTH", "LARGE_VALIDATION_SEEDS",
            "draw_key", "larger_draw_sets", "paired_difference", "phrasing_table", "pooled_difference", "ranking_reliability", "recipe_summary", "rule_of",
            "scenario_of", "score_larger_draw", "seed_agreement", "test_draw_table", "validation_table"]
