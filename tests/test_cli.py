@@ -85,3 +85,17 @@ def test_organism_compare_names_the_missing_validation_block(capsys):
     assert main(["organism", "compare", "smollm2-135m-gated", "smollm2-135m-gated-v2", "--words", v2]) == 2
     assert f"(validation_large@scenario_words_v2): run `kvprobe organism validate smollm2-135m-gated --seeds ... " \
            f"--words {v2}` first" in capsys.readouterr().err
+
+
+def test_organism_agreement_and_the_email_draw_read_the_committed_cards(capsys):
+    v2 = "kvprobe/tasks/data/scenario_words_v2.yaml"
+    pair = "smollm2-135m-gated-v3u,smollm2-135m-gated-v3c"
+    assert main(["organism", "agreement", "--words", v2, "--recipes", pair]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Over the 6 seeds scored on all three draws") and "email (second validation format) " in out
+    assert main(["organism", "agreement", "--recipes", pair]) == 2  # no email draw of word list 1
+    assert "fewer than 4 organism seeds" in capsys.readouterr().err
+    assert main(["organism", "compare", "smollm2-135m-gated-v3u", "smollm2-135m-gated-v3c", "--words", v2,
+                 "--split", "validation_email"]) == 0
+    out = capsys.readouterr().out
+    assert "email (second validation format)" in out and "both cells" not in out and "preferred" not in out

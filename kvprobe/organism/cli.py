@@ -113,6 +113,25 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _agreement(args: argparse.Namespace) -> int:
+    from kvprobe.models.registry import organism_dirs
+    from kvprobe.organism.seeds import organism_folder
+    from kvprobe.organism.validation import block_key, cell_agreement
+
+    folders = [organism_folder(a) for a in args.recipes.split(",")] if args.recipes else list(organism_dirs())
+    cards = [json.loads((Path(f) / "card.json").read_text()) for f in folders]
+    suffix = block_key("validation", args.words)[len(block_key("validation")):]
+    line = cell_agreement(cards, suffix)
+    if not line:
+        from kvprobe.errors import KVProbeError
+
+        raise KVProbeError("fewer than 4 organism seeds hold the validation, validation_email and test draws of "
+                           f"this word list among these recipes: `kvprobe organism validate <primary> --seeds "
+                           "... --split validation_email` (and --split test) first")
+    print(line[0].upper() + line[1:])
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     from kvprobe.organism.validation import DRAW_SEEDS
 
@@ -187,3 +206,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="test: the fresh test draws (reported, never used to choose)")
     cp.add_argument("--words", default=None, help="compare the draws made with this word list (validate --words)")
     cp.set_defaults(func=_compare)
+    ag = osub.add_parser("agreement", help="per organism seed, how each validation cell ranks the seeds against the "
+                         "test draw's unseen formats (Spearman's rho; reported, never used to choose)")
+    ag.add_argument("--recipes", default=None, help="comma-separated primary aliases (default: every organism)")
+    ag.add_argument("--words", default=None, help="the word list the draws were made with (validate --words)")
+    ag.set_defaults(func=_agreement)
