@@ -803,11 +803,13 @@ def test_decision_table_sets_validation_verdicts_beside_the_tests_and_counts_agr
                # validation ties it with best and the test does not; the email draw sees what the test sees
                _decision_card(tmp_path, "tied", [20, 20], [10, 10], [10, 10])]
     table = decision_table(folders=folders)
-    rows = {r.split("|")[2].strip(): [c.strip() for c in r.split("|")[3:13]] for r in table.splitlines()[2:5]}
-    verdicts = {k: v[1:8:2] for k, v in rows.items()}  # validation, email, three cells, test
-    assert verdicts["`best` - `worst` (0, 1; test 0, 1)"] == ["first"] * 4
-    assert verdicts["`best` - `tied` (0, 1; test 0, 1)"] == ["neither", "first", "first", "first"]
-    assert verdicts["`worst` - `tied` (0, 1; test 0, 1)"] == ["second"] * 4
+    rows = {r.split("|")[2].strip(): [c.strip() for c in r.split("|")[3:15]] for r in table.splitlines()[2:5]}
+    verdicts = {k: v[1:10:2] for k, v in rows.items()}  # validation, email, three cells, email + train, test
+    assert verdicts["`best` - `worst` (0, 1; test 0, 1)"] == ["first"] * 5
+    assert verdicts["`best` - `tied` (0, 1; test 0, 1)"] == ["neither", "first", "first", "first", "first"]
+    assert verdicts["`worst` - `tied` (0, 1; test 0, 1)"] == ["second"] * 5
+    assert rows["`best` - `tied` (0, 1; test 0, 1)"][6].startswith("+0.250 [")  # email + train formats:
+    # best - tied is 0 on the 20 train-format pairs and +0.5 on the 20 email pairs; few_shot is left out
     assert ("validation, both cells: of 3 recipe pairs it decided 2; the test's unseen formats agreed on 2, "
             "reversed 0, left 0 undecided; of the 1 it left undecided the test decided 1; same three-way verdict "
             "on 2 of 3.") in table

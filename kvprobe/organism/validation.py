@@ -233,18 +233,22 @@ def paired_difference(block: dict[str, Any], reference: dict[str, Any]) -> dict[
     return out
 
 
-def pooled_difference(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
-    """The paired difference over every cell of several draws at once (each ``(recipe block, reference
-    block)`` one draw; the seeds every block has scored), clustered by scenario across the draws: the
-    quantity of a choosing rule that reads more than one draw. Returned as :func:`paired_difference`'s
-    ``"both"`` cell."""
+def pooled_difference(pairs: list[tuple[dict[str, Any], dict[str, Any]]], cells: set[str] | None = None
+                      ) -> dict[str, Any]:
+    """The paired difference over the cells of several draws at once (each ``(recipe block, reference
+    block)`` one draw; ``cells``: only these, None: all; the seeds every block has scored), clustered by
+    scenario across the draws: the quantity of a choosing rule that reads more than one draw. Returned as
+    :func:`paired_difference`'s ``"both"`` cell."""
     from kvprobe.stats.bootstrap import cluster_bootstrap_ci
 
     common = _common_seeds(pairs)
     diff: list[float] = []
     scen: list[str] = []
     for block, reference in pairs:
-        d, s = _pair_differences(block, reference, list(block["cells"]), common)
+        chosen = [c for c in block["cells"] if cells is None or c in cells]
+        if not chosen:
+            continue
+        d, s = _pair_differences(block, reference, chosen, common)
         diff, scen = diff + d, scen + s
     mean, lo, hi = cluster_bootstrap_ci(diff, scen)
     return {"seeds": common, "cells": {"both": {"mean": mean, "ci_low": lo, "ci_high": hi, "n_pairs": len(diff),
@@ -480,8 +484,8 @@ def decision_table(_results_dir: Any = None, folders: list[Path] | None = None) 
     """Markdown: does validation's verdict on two recipes predict the test's? Every pair of recipes whose
     primary cards hold larger validation and test draws of one word list (same pairs, so the paired
     difference applies): the validation difference over both cells (the choosing rule's quantity), and where
-    both recipes hold the email draw (the second validation format) its difference and that of all three
-    validation cells pooled, beside the test difference on the unseen formats (the goal's cell), each with its
+    both recipes hold the email draw (the second validation format) its difference, that of all three
+    validation cells pooled and that of email with the train-format cell (without few_shot), beside the test difference on the unseen formats (the goal's cell), each with its
     scenario-clustered 95% CI and verdict; then, per validation quantity, a count of agreements with the test
     and Spearman's rho of the differences, and how reliably each draw ranks the organism seeds within itself
     (:func:`ranking_reliability`). Read after the fact: it judges rules, it chooses nothing. Recipe pairs
@@ -495,9 +499,9 @@ def decision_table(_results_dir: Any = None, folders: list[Path] | None = None) 
 
     dirs = list(organism_dirs() if folders is None else folders)
     names = {1: "first", -1: "second", 0: "neither"}
-    quantities = ("validation, both cells", "email", "three validation cells")
+    quantities = ("validation, both cells", "email", "three validation cells", "email + train formats")
     lines = ["| word list | first - second recipe (seeds) | " + " | ".join(f"{q} [95% CI] | prefers" for q in quantities)
-             + " | test, unseen formats [95% CI] | test prefers | test, both cells [95% CI] |", "|" + "---|" * 11]
+             + " | test, unseen formats [95% CI] | test prefers | test, both cells [95% CI] |", "|" + "---|" * 13]
     summaries = []
     for key, held in _blocks_by_key(dirs, "validation").items():
         suffix = key[len(BLOCK_KEYS["validation"]):]
@@ -519,6 +523,8 @@ def decision_table(_results_dir: Any = None, folders: list[Path] | None = None) 
             if email[0] and email[1] and email[0]["data_hash"] == email[1]["data_hash"]:
                 diffs[quantities[1]] = paired_difference(*email)
                 diffs[quantities[2]] = pooled_difference([draws["validation"], email])
+                diffs[quantities[3]] = pooled_difference([draws["validation"], email],
+                                                         {"validation_train_formats", "validation_email_format"})
             test_verdict = _verdict(t, "test_unseen_formats")
             cells = []
             for q in quantities:
