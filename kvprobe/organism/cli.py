@@ -126,7 +126,7 @@ def _agreement(args: argparse.Namespace) -> int:
         from kvprobe.errors import KVProbeError
 
         raise KVProbeError("fewer than 4 organism seeds hold the validation, validation_email and test draws of "
-                           f"this word list among these recipes: `kvprobe organism validate <primary> --seeds "
+                           "this word list among these recipes: `kvprobe organism validate <primary> --seeds "
                            "... --split validation_email` (and --split test) first")
     print(line[0].upper() + line[1:])
     return 0
