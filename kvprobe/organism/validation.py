@@ -109,7 +109,8 @@ def score_larger_draw(folders: list[Path], pairs: int = 64, progress: bool = Tru
     """Score every seed's organism (``folders``: the primary first) on the larger cells of ``split`` and store
     the per-pair logit differences in the primary card (:data:`BLOCK_KEYS`), one seed at a time, so an
     interrupted run resumes with the seeds it has not scored, and a rerun with more seeds scores only the new
-    ones. A stored block for other pairs, or with seeds this run would drop, is kept unless ``replace``. ``words``: draw from another word list than the recipe's (stored
+    ones. A stored block for other pairs, or with seeds this run would drop, is kept unless ``replace``.
+    ``words``: draw from another word list than the recipe's (stored
     under its own key, :func:`block_key`)."""
     from tqdm.auto import tqdm
 
@@ -197,12 +198,17 @@ def _scored_seeds(block: dict[str, Any]) -> dict[int, str]:
 def _pair_differences(block: dict[str, Any], reference: dict[str, Any], cells: list[str], seeds: list[int]
                       ) -> tuple[list[float], list[str]]:
     """Per pair of ``cells``: recipe minus reference, each averaged over ``seeds``; and the pairs' scenarios."""
+    _check_same_draw(block, reference)
+    mine = _pooled(_seed_scores(block, cells, [_scored_seeds(block)[s] for s in seeds]))
+    theirs = _pooled(_seed_scores(reference, cells, [_scored_seeds(reference)[s] for s in seeds]))
+    scenarios = [s for c in cells for s in block["cells"][c]["scenarios"]]
+    return [x - y for x, y in zip(mine, theirs, strict=True)], scenarios
+
+
+def _check_same_draw(block: dict[str, Any], reference: dict[str, Any]) -> None:
     if block["data_hash"] != reference["data_hash"]:
         raise KVProbeError(f"{block['aliases'][0]} and {reference['aliases'][0]} were scored on different "
                            "pairs (another split, base model, --pairs or train formats): not comparable")
-    mine = _pooled(_seed_scores(block, cells, [_scored_seeds(block)[s] for s in seeds]))
-    theirs = _pooled(_seed_scores(reference, cells, [_scored_seeds(reference)[s] for s in seeds]))
-    return [x - y for x, y in zip(mine, theirs, strict=True)], [s for c in cells for s in block["cells"][c]["scenarios"]]
 
 
 def _common_seeds(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[int]:
@@ -219,8 +225,7 @@ def paired_difference(block: dict[str, Any], reference: dict[str, Any]) -> dict[
     same draw (same base model, pairs and train formats)."""
     from kvprobe.stats.bootstrap import cluster_bootstrap_ci
 
-    if block["data_hash"] != reference["data_hash"]:
-        _pair_differences(block, reference, [], [])  # raises with the message
+    _check_same_draw(block, reference)
     common = _common_seeds([(block, reference)])
     out: dict[str, Any] = {"seeds": common, "cells": {}}
     for name in [*block["cells"], "both"]:
@@ -485,12 +490,12 @@ def decision_table(_results_dir: Any = None, folders: list[Path] | None = None) 
     primary cards hold larger validation and test draws of one word list (same pairs, so the paired
     difference applies): the validation difference over both cells (the choosing rule's quantity), and where
     both recipes hold the email draw (the second validation format) its difference, that of all three
-    validation cells pooled and that of email with the train-format cell (without few_shot), beside the test difference on the unseen formats (the goal's cell), each with its
-    scenario-clustered 95% CI and verdict; then, per validation quantity, a count of agreements with the test
-    and Spearman's rho of the differences, and how reliably each draw ranks the organism seeds within itself
-    (:func:`ranking_reliability`). Read after the fact: it judges rules, it chooses nothing. Recipe pairs
-    share recipes, so the counts are descriptive, not independent trials (the ``kvprobe:organism_decisions``
-    block of RESULTS.md)."""
+    validation cells pooled and that of email with the train-format cell (without few_shot), beside the test
+    difference on the unseen formats (the goal's cell), each with its scenario-clustered 95% CI and verdict;
+    then, per validation quantity, a count of agreements with the test and Spearman's rho of the differences,
+    and how reliably each draw ranks the organism seeds within itself (:func:`ranking_reliability`). Read
+    after the fact: it judges rules, it chooses nothing. Recipe pairs share recipes, so the counts are
+    descriptive, not independent trials (the ``kvprobe:organism_decisions`` block of RESULTS.md)."""
     import itertools
 
     from scipy.stats import spearmanr
@@ -500,7 +505,8 @@ def decision_table(_results_dir: Any = None, folders: list[Path] | None = None) 
     dirs = list(organism_dirs() if folders is None else folders)
     names = {1: "first", -1: "second", 0: "neither"}
     quantities = ("validation, both cells", "email", "three validation cells", "email + train formats")
-    lines = ["| word list | first - second recipe (seeds) | " + " | ".join(f"{q} [95% CI] | prefers" for q in quantities)
+    heads = " | ".join(f"{q} [95% CI] | prefers" for q in quantities)
+    lines = ["| word list | first - second recipe (seeds) | " + heads
              + " | test, unseen formats [95% CI] | test prefers | test, both cells [95% CI] |", "|" + "---|" * 13]
     summaries = []
     for key, held in _blocks_by_key(dirs, "validation").items():
@@ -535,7 +541,8 @@ def decision_table(_results_dir: Any = None, folders: list[Path] | None = None) 
                 found[q].append((d["cells"]["both"]["mean"], _verdict(d, "both"),
                                  t["cells"]["test_unseen_formats"]["mean"], test_verdict))
                 cells += [_difference_cell(d, "both").rsplit(" (", 1)[0], names[_verdict(d, "both")]]
-            lines.append(f"| {label} | `{a['alias']}` - `{b['alias']}` ({', '.join(map(str, diffs[quantities[0]]['seeds']))}"
+            seeds = ", ".join(map(str, diffs[quantities[0]]["seeds"]))
+            lines.append(f"| {label} | `{a['alias']}` - `{b['alias']}` ({seeds}"
                          f"; test {', '.join(map(str, t['seeds']))}) | {' | '.join(cells)} | "
                          f"{_difference_cell(t, 'test_unseen_formats').rsplit(' (', 1)[0]} | {names[test_verdict]} | "
                          f"{_difference_cell(t, 'both').rsplit(' (', 1)[0]} |")
@@ -546,8 +553,8 @@ def decision_table(_results_dir: Any = None, folders: list[Path] | None = None) 
             agreed = sum(r[3] == r[1] for r in decided)
             reversed_ = sum(r[3] == -r[1] for r in decided)
             missed = sum(bool(r[3]) for r in rows if not r[1])
-            rho = (f"; rho of the differences {float(spearmanr([r[0] for r in rows], [r[2] for r in rows]).statistic):+.2f}"
-                   if n >= 4 else "")
+            rho_value = float(spearmanr([x[0] for x in rows], [x[2] for x in rows]).statistic) if n >= 4 else None
+            rho = "" if rho_value is None else f"; rho of the differences {rho_value:+.2f}"
             summaries.append(f"{label}, {q}: of {n} recipe pairs it decided {len(decided)}; the test's unseen formats "
                              f"agreed on {agreed}, reversed {reversed_}, left {len(decided) - agreed - reversed_} "
                              f"undecided; of the {n - len(decided)} it left undecided the test decided {missed}; same "
@@ -639,9 +646,10 @@ def ranking_reliability(folders: list[Path]) -> str:
                     rhos = [rho(seeds, lambda b, c, i, s=frozenset(s): b["cells"][c]["rules"][i] in s)
                             for s in itertools.combinations(rules, len(rules) // 2)]
                     by_rule = f"{text(statistics.fmean(rhos))} ({len(rules)} phrasings, {len(rhos)} splits)"
+                by_cell = text(rho(seeds, lambda b, c, i: c == cell_one)) if len(first["cells"]) > 1 else "- (one cell)"
                 lines.append(f"| {split} | {key.split('@', 1)[1] if '@' in key else 'scenario_words (v1)'} | {base} "
                              f"| {len(seeds)} | {text(rho(seeds, by_scenario))} | "
-                             f"{text(rho(seeds, lambda b, c, i: c == cell_one)) if len(first['cells']) > 1 else '- (one cell)'} | "
+                             f"{by_cell} | "
                              f"{by_rule} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
@@ -654,6 +662,7 @@ def _rho_text(rows: list[tuple[float, ...]], column: int) -> str:
     return f"{float(r.statistic):+.2f} (p = {float(r.pvalue):.2g})"
 
 
-__all__ = ["block_key", "BLOCK_KEYS", "cell_agreement", "CELL_LABELS", "decision_table", "DRAW_SEEDS", "LABEL_WIDTH", "LARGE_VALIDATION_SEEDS",
-           "draw_key", "larger_draw_sets", "paired_difference", "phrasing_table", "pooled_difference", "ranking_reliability", "recipe_summary", "rule_of",
-           "scenario_of", "score_larger_draw", "seed_agreement", "test_draw_table", "validation_table"]
+__all__ = ["block_key", "BLOCK_KEYS", "cell_agreement", "CELL_LABELS", "decision_table", "DRAW_SEEDS",
+           "LABEL_WIDTH", "LARGE_VALIDATION_SEEDS", "draw_key", "larger_draw_sets", "paired_difference",
+           "phrasing_table", "pooled_difference", "ranking_reliability", "recipe_summary", "rule_of", "scenario_of",
+           "score_larger_draw", "seed_agreement", "test_draw_table", "validation_table"]
