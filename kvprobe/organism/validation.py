@@ -89,7 +89,8 @@ def larger_draw_sets(lm: Any, recipe: Any, pairs: int, split: str = "validation"
     formats = {"validation_unseen_format": tuple(FORMAT_SPLITS["validation"]),
                "test_unseen_formats": tuple(FORMAT_SPLITS["test"]),
                "validation_email_format": tuple(EXTRA_HELDOUT_FORMATS["validation"]),
-               f"{split}_train_formats": tuple(_train_formats(recipe))}
+               "validation_train_formats": tuple(_train_formats(recipe)),
+               "test_train_formats": tuple(_train_formats(recipe))}  # every cell name of DRAW_SEEDS
     return {name: _drawn_set(lm, recipe, FAMILY_SPLIT[split], formats[name], pairs, seed, 0.0)
             for name, seed in DRAW_SEEDS[split].items()}
 
