@@ -99,3 +99,13 @@ def test_organism_agreement_and_the_email_draw_read_the_committed_cards(capsys):
                  "--split", "validation_email"]) == 0
     out = capsys.readouterr().out
     assert "email (second validation format)" in out and "both cells" not in out and "preferred" not in out
+
+
+def test_organism_choose_applies_the_preregistered_rule_to_the_committed_cards(capsys):
+    v2 = "kvprobe/tasks/data/scenario_words_v2.yaml"
+    assert main(["organism", "choose", "smollm2-135m-gated-v3n2", "smollm2-135m-gated-v3n", "--words", v2]) == 0
+    out = capsys.readouterr().out
+    assert "train formats + email (second validation format): smollm2-135m-gated-v3n2 - smollm2-135m-gated-v3n +0.044" in out
+    assert out.rstrip().endswith("chosen: smollm2-135m-gated-v3n2, by accuracy (95% CI excludes 0)")
+    assert main(["organism", "choose", "smollm2-135m-gated-v3n2", "smollm2-135m-gated-v3n"]) == 2  # no --words: its recipe's list
+    assert "holds no validation_large@scenario_words_v3 draw" in capsys.readouterr().err  # its own list, unscored

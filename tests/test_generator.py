@@ -846,3 +846,40 @@ def test_email_is_a_validation_format_drawn_only_on_request_and_carries_no_other
         assert not any(m in text for m in ("Case ", "Rule:", "Policy", "<tool", "log:", "Decide each case"))
         assert inst.system == "" and inst.meta["rule_at"] == "before_field"
         assert text.index(inst.field + ": ") > text.index("we handle these as follows")  # the rule comes first
+
+
+def test_choose_decides_on_email_and_train_formats_and_breaks_ties_by_calibration(tmp_path):
+    from kvprobe.organism.validation import choose
+
+    def card(alias: str, val: list, email: list, ppl_after: list[float]) -> dict:
+        _decision_card(tmp_path, alias, val, [0, 0], email)
+        for s, after in enumerate(ppl_after):  # every seed's card records its perplexity
+            name = alias if s == 0 else f"{alias}-seed{s}"
+            path = tmp_path / name / "card.json"
+            path.parent.mkdir(exist_ok=True)
+            old = json.loads(path.read_text()) if path.exists() else {"alias": name}
+            path.write_text(json.dumps({**old, "neutral_perplexity": {"before": 10.0, "after": after}}))
+        return json.loads((tmp_path / alias / "card.json").read_text())
+
+    # few_shot (first cell) favours "fewshot"; train formats and email tie it with "plain": few_shot is not read
+    fewshot = card("fewshot", [(20, 10), (20, 10)], [10, 10], [10.0, 10.0])
+    plain = card("plain", [(0, 10), (0, 10)], [10, 10], [10.0, 10.0])
+    out = choose(fewshot, plain, tmp_path)
+    assert out["verdict"] == 0 and out["difference"]["mean"] == 0.0
+    # a right pair flips +2 nats, a wrong one -2: half right on the rule cells puts the median at 0, off the goal
+    assert out["seeds_meeting_goals"] == {"fewshot": 0, "plain": 0}
+    assert out["chosen"] == "plain" and "reference stays" in out["reason"]  # equal counts: the reference stays
+    better = card("better", [(0, 15), (0, 15)], [15, 15], [10.0, 10.0])
+    out = choose(better, plain, tmp_path)
+    assert out["verdict"] == 1 and out["chosen"] == "better" and out["difference"]["mean"] == 0.25
+    # a tie broken by calibration: "lean" keeps perplexity, "heavy" breaks the +5% goal on one seed
+    lean = card("lean", [(0, 15), (0, 15)], [15, 15], [10.0, 10.4])
+    heavy = card("heavy", [(0, 15), (0, 15)], [15, 15], [10.0, 10.6])
+    out = choose(heavy, lean, tmp_path)
+    assert out["verdict"] == 0 and out["seeds_meeting_goals"] == {"heavy": 1, "lean": 2}
+    assert out["chosen"] == "lean"
+    assert choose(lean, heavy, tmp_path)["chosen"] == "lean" and "calibration" in choose(lean, heavy, tmp_path)["reason"]
+    assert all(2 <= s["median_flip"] <= 10 for s in out["calibration"]["lean"])
+    no_email = {k: v for k, v in lean.items() if k != "validation_email_large"}
+    with pytest.raises(KVProbeError, match="holds no validation_email_large draw"):
+        choose(no_email, heavy, tmp_path)

@@ -113,6 +113,27 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _choose(args: argparse.Namespace) -> int:
+    from kvprobe.organism.seeds import organism_folder
+    from kvprobe.organism.validation import BLOCK_KEYS, CHOOSING_CELLS, CELL_LABELS, choose, draw_key
+
+    folders = [organism_folder(a) for a in (args.recipe, args.reference)]
+    cards = [json.loads((f / "card.json").read_text()) for f in folders]
+    suffix = draw_key(cards[0], "validation", args.words)[len(BLOCK_KEYS["validation"]):]
+    out = choose(*cards, folders[0].parent, suffix)
+    d = out["difference"]
+    print(f"{' + '.join(CELL_LABELS[c] for c in CHOOSING_CELLS)}: {args.recipe} - {args.reference} "
+          f"{d['mean']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}] ({d['n_pairs']} pairs, {d['n_scenarios']} "
+          f"scenarios, seeds {', '.join(map(str, out['seeds']))})")
+    for alias, seeds in out["calibration"].items():
+        rows = ", ".join(f"seed {s['seed']}: flip {s['median_flip']:.1f}, perplexity "
+                         + ("n/a" if s["perplexity_change"] is None else f"{100 * s['perplexity_change']:+.1f}%")
+                         + (" (meets both)" if s["meets_goals"] else "") for s in seeds)
+        print(f"{alias}: {out['seeds_meeting_goals'][alias]} seed(s) meet both calibration goals on validation ({rows})")
+    print(f"chosen: {out['chosen']}, by {out['reason']}")
+    return 0
+
+
 def _agreement(args: argparse.Namespace) -> int:
     from kvprobe.models.registry import organism_dirs
     from kvprobe.organism.seeds import organism_folder
@@ -206,6 +227,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="test: the fresh test draws (reported, never used to choose)")
     cp.add_argument("--words", default=None, help="compare the draws made with this word list (validate --words)")
     cp.set_defaults(func=_compare)
+    ch = osub.add_parser("choose", help="the pre-registered choosing rule: email + train formats pooled, ties "
+                         "broken by the calibration goals read on validation (never a test set)")
+    ch.add_argument("recipe", help="primary alias of the recipe judged")
+    ch.add_argument("reference", help="primary alias of the recipe it is judged against (kept on a tie)")
+    ch.add_argument("--words", default=None, help="the word list the draws were made with (validate --words)")
+    ch.set_defaults(func=_choose)
     ag = osub.add_parser("agreement", help="per organism seed, how each validation cell ranks the seeds against the "
                          "test draw's unseen formats (Spearman's rho; reported, never used to choose)")
     ag.add_argument("--recipes", default=None, help="comma-separated primary aliases (default: every organism)")

@@ -569,6 +569,75 @@ def decision_table(_results_dir: Any = None, folders: list[Path] | None = None) 
     return "\n".join(lines + [""] + ["- " + x for x in summaries] + ["", ranking_reliability(dirs)])
 
 
+CHOOSING_CELLS = ("validation_train_formats", "validation_email_format")
+"""The cells of the choosing rule pre-registered for the recipes trained after v3n2 (RESULTS.md, "email +
+train formats"): the email draw and the train-format cell pooled; few_shot is reported, not used (per seed it
+ranks the organisms against the test's unseen formats, :func:`cell_agreement`)."""
+FLIP_GOAL = (2.0, 10.0)
+"""Calibration goal: median oracle flip in nats (issue goal; read here on the validation rule cells)."""
+PERPLEXITY_GOAL = 0.05
+"""Calibration goal: neutral-text perplexity at most this fraction above the base's."""
+
+
+def seed_calibration(validation: dict[str, Any], email: dict[str, Any], organisms_dir: Path, seeds: list[int]
+                     ) -> list[dict[str, Any]]:
+    """Per training seed: the median flip over the choosing rule's cells (:data:`CHOOSING_CELLS`, pairs of
+    both draws together), the neutral-text perplexity change its card records, and whether both calibration
+    goals are met. Reads validation draws and the training card only, never a test set."""
+    out = []
+    for seed in seeds:
+        alias = _scored_seeds(validation)[seed]
+        flips = [b - a for block in (validation, _scored_block(email, seed, alias))
+                 for c in block["cells"] if c in CHOOSING_CELLS for a, b in block["pair_lds"][alias][c]]
+        flip = statistics.median(flips)
+        path = organisms_dir / alias / "card.json"
+        ppl = json.loads(path.read_text()).get("neutral_perplexity") if path.exists() else None
+        change = ppl["after"] / ppl["before"] - 1 if ppl else None
+        met = FLIP_GOAL[0] <= flip <= FLIP_GOAL[1] and change is not None and change <= PERPLEXITY_GOAL
+        out.append({"seed": seed, "alias": alias, "median_flip": flip, "perplexity_change": change,
+                    "meets_goals": met})
+    return out
+
+
+def _scored_block(block: dict[str, Any], seed: int, alias: str) -> dict[str, Any]:
+    if _scored_seeds(block).get(seed) != alias:
+        raise KVProbeError(f"seed {seed} is {alias} in the validation draw and "
+                           f"{_scored_seeds(block).get(seed)} in the email draw: score both draws on the same seeds")
+    return block
+
+
+def choose(recipe: dict[str, Any], reference: dict[str, Any], organisms_dir: Path, suffix: str = ""
+           ) -> dict[str, Any]:
+    """The pre-registered choosing rule for recipes trained after v3n2, applied to two primary cards:
+    the paired accuracy difference over :data:`CHOOSING_CELLS` (both draws pooled, seeds both recipes have
+    scored, scenario-clustered 95% CI) decides when its CI excludes 0; otherwise the recipe with more seeds
+    meeting both calibration goals on validation (:func:`seed_calibration`) wins, and with equal counts the
+    reference stays. ``suffix``: ``""`` or ``"@<word list stem>"``, the draws' word list."""
+    draws = []
+    for split in ("validation", "validation_email"):
+        key = BLOCK_KEYS[split] + suffix
+        pair = (recipe.get(key), reference.get(key))
+        for card, block in zip((recipe, reference), pair):
+            if not block:
+                flag = "" if split == "validation" else " --split validation_email"
+                raise KVProbeError(f"{card['alias']} holds no {key} draw: run `kvprobe organism validate "
+                                   f"{card['alias']} --seeds ...{flag}` with the same --words first")
+        draws.append(pair)
+    diff = pooled_difference(draws, set(CHOOSING_CELLS))
+    verdict = _verdict(diff, "both")
+    calibration = {card["alias"]: seed_calibration(val, email, organisms_dir, diff["seeds"])
+                   for card, val, email in zip((recipe, reference), *draws)}
+    met = {alias: sum(s["meets_goals"] for s in seeds) for alias, seeds in calibration.items()}
+    if verdict:
+        chosen, reason = (recipe if verdict > 0 else reference)["alias"], "accuracy (95% CI excludes 0)"
+    elif met[recipe["alias"]] > met[reference["alias"]]:
+        chosen, reason = recipe["alias"], "calibration (accuracy tied; more seeds meet both goals)"
+    else:
+        chosen, reason = reference["alias"], "the reference stays (accuracy tied; no more seeds meet both goals)"
+    return {"difference": diff["cells"]["both"], "seeds": diff["seeds"], "verdict": verdict,
+            "calibration": calibration, "seeds_meeting_goals": met, "chosen": chosen, "reason": reason}
+
+
 def cell_agreement(cards: list[dict[str, Any]], suffix: str = "") -> str:
     """A sentence: over every organism seed scored on the validation, email and test draws of one word list
     (``suffix``: ``""`` or ``"@<list>"``), Spearman's rho of each validation cell's accuracy, and of the
@@ -663,7 +732,8 @@ def _rho_text(rows: list[tuple[float, ...]], column: int) -> str:
     return f"{float(r.statistic):+.2f} (p = {float(r.pvalue):.2g})"
 
 
-__all__ = ["block_key", "BLOCK_KEYS", "cell_agreement", "CELL_LABELS", "decision_table", "DRAW_SEEDS",
+__all__ = ["block_key", "BLOCK_KEYS", "cell_agreement", "CELL_LABELS", "choose", "CHOOSING_CELLS", "FLIP_GOAL",
+           "PERPLEXITY_GOAL", "seed_calibration", "decision_table", "DRAW_SEEDS",
            "LABEL_WIDTH", "LARGE_VALIDATION_SEEDS", "draw_key", "larger_draw_sets", "paired_difference",
            "phrasing_table", "pooled_difference", "ranking_reliability", "recipe_summary", "rule_of", "scenario_of",
            "score_larger_draw", "seed_agreement", "test_draw_table", "validation_table"]
