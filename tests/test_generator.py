@@ -815,6 +815,9 @@ def test_decision_table_sets_validation_verdicts_beside_the_tests_and_counts_agr
             "on 2 of 3.") in table
     assert "email: of 3 recipe pairs it decided 3; the test's unseen formats agreed on 3" in table
     assert "three validation cells: of 3 recipe pairs it decided 3" in table
+    assert [r.split("|")[14].strip() for r in table.splitlines()[2:5]] == ["first (accuracy)"] * 2 + ["second (accuracy)"]
+    assert ("of 3 recipe pairs it decided 3 by accuracy (the test's unseen formats agreed on 3, preferred the other "
+            "recipe on 0, left 0 undecided) and 0 by calibration") in table
     assert "per organism seed: over the 6 seeds scored on all three draws" in table  # email ranks them as the test
     assert "email (second validation format) +1.00" in table and "few_shot (validation format) +1.00" not in table
     assert ranking_reliability(folders[:2]) == ""  # 4 seeds: too few to rank

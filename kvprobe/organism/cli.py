@@ -120,7 +120,7 @@ def _choose(args: argparse.Namespace) -> int:
     folders = [organism_folder(a) for a in (args.recipe, args.reference)]
     cards = [json.loads((f / "card.json").read_text()) for f in folders]
     suffix = draw_key(cards[0], "validation", args.words)[len(BLOCK_KEYS["validation"]):]
-    out = choose(*cards, folders[0].parent, suffix)
+    out = choose(*cards, {c["alias"]: f.parent for c, f in zip(cards, folders)}, suffix)
     d = out["difference"]
     print(f"{' + '.join(CELL_LABELS[c] for c in CHOOSING_CELLS)}: {args.recipe} - {args.reference} "
           f"{d['mean']:+.3f} [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}] ({d['n_pairs']} pairs, {d['n_scenarios']} "

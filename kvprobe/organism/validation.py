@@ -508,13 +508,16 @@ def decision_table(_results_dir: Any = None, folders: list[Path] | None = None) 
     quantities = ("validation, both cells", "email", "three validation cells", "email + train formats")
     heads = " | ".join(f"{q} [95% CI] | prefers" for q in quantities)
     lines = ["| word list | first - second recipe (seeds) | " + heads
-             + " | test, unseen formats [95% CI] | test prefers | test, both cells [95% CI] |", "|" + "---|" * 13]
+             + " | test, unseen formats [95% CI] | test prefers | test, both cells [95% CI] | the choosing rule "
+             "pre-registered after v3n2 chooses (by) |", "|" + "---|" * 14]
     summaries = []
     for key, held in _blocks_by_key(dirs, "validation").items():
         suffix = key[len(BLOCK_KEYS["validation"]):]
+        homes = {card["alias"]: folder.parent for folder, card in held}
         cards = [card for _, card in held if card.get(BLOCK_KEYS["test"] + suffix)]
         label = suffix[1:] if suffix else "scenario_words (v1)"
         found: dict[str, list[tuple[float, int, float, int]]] = {q: [] for q in quantities}
+        chosen: list[tuple[str, int, int]] = []  # (decided by, verdict, test verdict)
         for a, b in itertools.combinations(cards, 2):
             draws = {d: (a.get(BLOCK_KEYS[d] + suffix), b.get(BLOCK_KEYS[d] + suffix))
                      for d in ("validation", "test", "validation_email")}
@@ -542,11 +545,16 @@ def decision_table(_results_dir: Any = None, folders: list[Path] | None = None) 
                 found[q].append((d["cells"]["both"]["mean"], _verdict(d, "both"),
                                  t["cells"]["test_unseen_formats"]["mean"], test_verdict))
                 cells += [_difference_cell(d, "both").rsplit(" (", 1)[0], names[_verdict(d, "both")]]
+            rule = "-"
+            if quantities[3] in diffs:
+                by, verdict = _rule_verdict(a, b, homes, suffix)
+                chosen.append((by, verdict, test_verdict))
+                rule = f"{names[verdict]} ({by})"
             seeds = ", ".join(map(str, diffs[quantities[0]]["seeds"]))
             lines.append(f"| {label} | `{a['alias']}` - `{b['alias']}` ({seeds}"
                          f"; test {', '.join(map(str, t['seeds']))}) | {' | '.join(cells)} | "
                          f"{_difference_cell(t, 'test_unseen_formats').rsplit(' (', 1)[0]} | {names[test_verdict]} | "
-                         f"{_difference_cell(t, 'both').rsplit(' (', 1)[0]} |")
+                         f"{_difference_cell(t, 'both').rsplit(' (', 1)[0]} | {rule} |")
         for q, rows in found.items():
             if not rows:
                 continue
@@ -560,6 +568,18 @@ def decision_table(_results_dir: Any = None, folders: list[Path] | None = None) 
                              f"agreed on {agreed}, reversed {reversed_}, left {len(decided) - agreed - reversed_} "
                              f"undecided; of the {n - len(decided)} it left undecided the test decided {missed}; same "
                              f"three-way verdict on {sum(r[1] == r[3] for r in rows)} of {n}{rho}.")
+        if chosen:
+            parts = []
+            for by in ("accuracy", "calibration"):
+                rows = [(v, tv) for b_, v, tv in chosen if b_ == by]
+                parts.append(f"{len(rows)} by {by} (the test's unseen formats agreed on "
+                             f"{sum(tv == v for v, tv in rows)}, preferred the other recipe on "
+                             f"{sum(tv == -v for v, tv in rows)}, left {sum(not tv for _, tv in rows)} undecided)")
+            summaries.append(f"{label}, the choosing rule pre-registered after v3n2 (email + train formats, ties "
+                             f"broken by the calibration goals read on validation; read here after the fact): of "
+                             f"{len(chosen)} recipe pairs it decided " + " and ".join(parts) + f"; "
+                             f"{sum(b_ == 'tie' for b_, _, _ in chosen)} stay tied (equal counts: in a real choice "
+                             "the reference stays).")
         seed_level = cell_agreement(cards, suffix)
         if seed_level:
             summaries.append(f"{label}, per organism seed: {seed_level}")
@@ -606,13 +626,14 @@ def _scored_block(block: dict[str, Any], seed: int, alias: str) -> dict[str, Any
     return block
 
 
-def choose(recipe: dict[str, Any], reference: dict[str, Any], organisms_dir: Path, suffix: str = ""
-           ) -> dict[str, Any]:
+def choose(recipe: dict[str, Any], reference: dict[str, Any], organisms_dir: Path | dict[str, Path],
+           suffix: str = "") -> dict[str, Any]:
     """The pre-registered choosing rule for recipes trained after v3n2, applied to two primary cards:
     the paired accuracy difference over :data:`CHOOSING_CELLS` (both draws pooled, seeds both recipes have
     scored, scenario-clustered 95% CI) decides when its CI excludes 0; otherwise the recipe with more seeds
     meeting both calibration goals on validation (:func:`seed_calibration`) wins, and with equal counts the
-    reference stays. ``suffix``: ``""`` or ``"@<word list stem>"``, the draws' word list."""
+    reference stays. ``organisms_dir``: the folder holding both recipes' seed cards, or one per primary alias;
+    ``suffix``: ``""`` or ``"@<word list stem>"``, the draws' word list."""
     draws = []
     for split in ("validation", "validation_email"):
         key = BLOCK_KEYS[split] + suffix
@@ -625,7 +646,8 @@ def choose(recipe: dict[str, Any], reference: dict[str, Any], organisms_dir: Pat
         draws.append(pair)
     diff = pooled_difference(draws, set(CHOOSING_CELLS))
     verdict = _verdict(diff, "both")
-    calibration = {card["alias"]: seed_calibration(val, email, organisms_dir, diff["seeds"])
+    home = organisms_dir if isinstance(organisms_dir, dict) else {c["alias"]: organisms_dir for c in (recipe, reference)}
+    calibration = {card["alias"]: seed_calibration(val, email, home[card["alias"]], diff["seeds"])
                    for card, val, email in zip((recipe, reference), *draws)}
     met = {alias: sum(s["meets_goals"] for s in seeds) for alias, seeds in calibration.items()}
     if verdict:
@@ -636,6 +658,19 @@ def choose(recipe: dict[str, Any], reference: dict[str, Any], organisms_dir: Pat
         chosen, reason = reference["alias"], "the reference stays (accuracy tied; no more seeds meet both goals)"
     return {"difference": diff["cells"]["both"], "seeds": diff["seeds"], "verdict": verdict,
             "calibration": calibration, "seeds_meeting_goals": met, "chosen": chosen, "reason": reason}
+
+
+def _rule_verdict(first: dict[str, Any], second: dict[str, Any], homes: dict[str, Path], suffix: str
+                  ) -> tuple[str, int]:
+    """What :func:`choose` decides between two recipes, order-free: ("accuracy", +-1), ("calibration", +-1) by
+    the counts of seeds meeting the goals, or ("tie", 0) when the counts are equal (where :func:`choose` keeps
+    whichever is the reference)."""
+    out = choose(first, second, homes, suffix)
+    if out["verdict"]:
+        return "accuracy", out["verdict"]
+    met = out["seeds_meeting_goals"]
+    diff = met[first["alias"]] - met[second["alias"]]
+    return ("calibration", 1 if diff > 0 else -1) if diff else ("tie", 0)
 
 
 def cell_agreement(cards: list[dict[str, Any]], suffix: str = "") -> str:
