@@ -130,7 +130,7 @@ def _choose(args: argparse.Namespace) -> int:
                          + ("n/a" if s["perplexity_change"] is None else f"{100 * s['perplexity_change']:+.1f}%")
                          + (" (meets both)" if s["meets_goals"] else "") for s in seeds)
         print(f"{alias}: {out['seeds_meeting_goals'][alias]} seed(s) meet both calibration goals on validation ({rows})")
-    print(f"chosen: {out['chosen']}, by {out['reason']}")
+    print(f"chosen: {out['chosen']}, {out['reason']}")
     return 0
 
 

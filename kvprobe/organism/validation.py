@@ -651,9 +651,9 @@ def choose(recipe: dict[str, Any], reference: dict[str, Any], organisms_dir: Pat
                    for card, val, email in zip((recipe, reference), *draws)}
     met = {alias: sum(s["meets_goals"] for s in seeds) for alias, seeds in calibration.items()}
     if verdict:
-        chosen, reason = (recipe if verdict > 0 else reference)["alias"], "accuracy (95% CI excludes 0)"
+        chosen, reason = (recipe if verdict > 0 else reference)["alias"], "by accuracy (95% CI excludes 0)"
     elif met[recipe["alias"]] > met[reference["alias"]]:
-        chosen, reason = recipe["alias"], "calibration (accuracy tied; more seeds meet both goals)"
+        chosen, reason = recipe["alias"], "by calibration (accuracy tied; more seeds meet both goals)"
     else:
         chosen, reason = reference["alias"], "the reference stays (accuracy tied; no more seeds meet both goals)"
     return {"difference": diff["cells"]["both"], "seeds": diff["seeds"], "verdict": verdict,
