@@ -294,6 +294,33 @@ def test_v3_resume_reproduces_an_uninterrupted_run(tiny_generator_dir, tmp_path,
     assert resumed["heldout_eval"]["after"] == full["heldout_eval"]["after"]
 
 
+def test_base_reference_is_computed_once_per_base_and_pairs_and_changes_no_number(tiny_generator_dir, tmp_path,
+                                                                                   monkeypatch):
+    """A second seed on the same held-out pairs reads the base model's scores from the cache (the card is the
+    one an uncached run writes); other pairs are scored afresh."""
+    import kvprobe.organism.train as train_mod
+
+    monkeypatch.setenv("KVPROBE_CACHE", str(tmp_path / "fresh"))
+    uncached = train_mod.train_organism(_v3(tiny_generator_dir, seed=1), tmp_path / "u", progress=False).card
+    monkeypatch.setenv("KVPROBE_CACHE", str(tmp_path / "shared"))
+    train_mod.train_organism(_v3(tiny_generator_dir), tmp_path / "a", progress=False)
+    base_calls = {"n": 0}
+    real = train_mod.neutral_perplexity
+
+    def counted(model, tokenizer):
+        base_calls["n"] += 1
+        return real(model, tokenizer)
+
+    monkeypatch.setattr(train_mod, "neutral_perplexity", counted)
+    cached = train_mod.train_organism(_v3(tiny_generator_dir, seed=1), tmp_path / "b", progress=False).card
+    assert base_calls["n"] == 1  # the trained model's perplexity only: the base's came from the cache
+    assert cached["heldout_eval"] == uncached["heldout_eval"]
+    assert cached["neutral_perplexity"] == uncached["neutral_perplexity"]
+    train_mod.train_organism(_v3(tiny_generator_dir, eval_instances=3), tmp_path / "c", progress=False)
+    assert base_calls["n"] == 3  # other pairs: the base is scored again
+    assert len(list((tmp_path / "shared" / "organism-base-reference").glob("*.json"))) == 2
+
+
 def test_checkpoint_key_survives_a_field_added_later_at_its_default():
     """A run interrupted before a code update that adds a Recipe field (at its default) resumes: its checkpoint
     folder is keyed on the fields that differ from the defaults; a changed value still gets another folder."""

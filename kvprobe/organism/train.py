@@ -598,6 +598,34 @@ def evaluate_generated(model: Any, items: list[tuple[Any, Any]]) -> dict[str, An
     return out
 
 
+_BASE_REFERENCE_VERSION = 1  # bump when evaluate_generated or neutral_perplexity changes what they report
+
+
+def base_reference(lm: Any, eval_sets: dict[str, list[tuple[Any, Any]]]) -> tuple[float, dict[str, Any]]:
+    """The base model's neutral-text perplexity and its scores on the held-out sets (the card's "before").
+
+    They depend on the base weights and the drawn pairs only, not on the seed, the loss or the steps, so
+    every run of a recipe family on the same sets shares one computation (about 10 min for the 0.5B base on
+    two cores), cached under the cache dir and keyed on the base fingerprint and the exact pairs."""
+    from kvprobe.runner.records import atomic_write_json
+
+    h = hashlib.sha256(json.dumps([_BASE_REFERENCE_VERSION, lm.fingerprint,
+                                   hashlib.sha256(NEUTRAL_TEXT.read_bytes()).hexdigest()]).encode())
+    for name, items in sorted(eval_sets.items()):
+        h.update(name.encode())
+        for inst, pair in items:
+            h.update(json.dumps([pair.ids_old, pair.ids_new, pair.old_action_id, pair.new_action_id,
+                                 inst.meta], sort_keys=True, default=str).encode())
+    path = cache_root() / "organism-base-reference" / f"{h.hexdigest()[:24]}.json"
+    if path.exists():
+        cached = json.loads(path.read_text())
+        return cached["neutral_perplexity"], cached["heldout_eval"]
+    ppl = neutral_perplexity(lm.model, lm.tokenizer)
+    scores = {name: evaluate_generated(lm.model, items) for name, items in eval_sets.items()}
+    atomic_write_json(path, {"neutral_perplexity": ppl, "heldout_eval": scores})
+    return ppl, scores
+
+
 def _eval_sets(lm: Any, recipe: Recipe) -> dict[str, list[tuple[Any, Any]]]:
     """Held-out sets: validation (chooses the recipe) and test (reported); neither is trained on."""
     from kvprobe.tasks.generator import FORMAT_SPLITS
@@ -680,9 +708,8 @@ def train_organism_v3(recipe: Recipe, out_dir: Path, resume: bool = True, progre
     torch.manual_seed(recipe.seed)
     t0 = time.perf_counter()
     lm = load_model(recipe.base_model, device="cpu", dtype="float32")
-    base_ppl = neutral_perplexity(lm.model, lm.tokenizer)
     eval_sets = _eval_sets(lm, recipe)
-    base_eval = {name: evaluate_generated(lm.model, items) for name, items in eval_sets.items()}
+    base_ppl, base_eval = base_reference(lm, eval_sets)
     kl_samples = base_samples(lm, recipe) if recipe.kl_weight > 0 else []
 
     model, init_sha, params, opt, ckpt_dir = _lora_training_state(lm, recipe)
