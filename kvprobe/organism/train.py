@@ -605,8 +605,8 @@ def base_reference(lm: Any, eval_sets: dict[str, list[tuple[Any, Any]]]) -> tupl
     """The base model's neutral-text perplexity and its scores on the held-out sets (the card's "before").
 
     They depend on the base weights and the drawn pairs only, not on the seed, the loss or the steps, so
-    every run of a recipe family on the same sets shares one computation (about 10 min for the 0.5B base on
-    two cores), cached under the cache dir and keyed on the base fingerprint and the exact pairs."""
+    every run of a recipe family on the same sets shares one computation (minutes for the 0.5B base on two
+    cores), cached under the cache dir and keyed on the base fingerprint and the exact pairs."""
     from kvprobe.runner.records import atomic_write_json
 
     h = hashlib.sha256(json.dumps([_BASE_REFERENCE_VERSION, lm.fingerprint,
