@@ -34,3 +34,26 @@ def test_readme_has_exactly_the_two_setup_commands():
     assert block.split("\n")[:-1] == ["make exp-locality", "make test"]
     assert len(readme) < 20_000  # full results live in RESULTS.md
     assert "make test" in (REPO / ".ci" / "run").read_text()
+
+
+def test_compare_block_puts_two_models_side_by_side_from_their_report_rows():
+    from kvprobe.runner.report import compare_rows, report_rows
+
+    a, b = "smollm2-135m", "smollm2-135m-gated-v2"
+    rows = compare_rows(REPO / "results", a, b)
+    report = {(r[0], r[1], r[2]): r for r in report_rows(REPO / "results")}
+    assert rows, "both models have records for some experiment"
+    for exp, task, inc_a, inc_b, flip_a, flip_b, head_a, head_b in rows:
+        assert [inc_a, flip_a, head_a] == report[(exp, task, a)][3:6]
+        assert [inc_b, flip_b, head_b] == report[(exp, task, b)][3:6]
+    only_a = {(r[0], r[1]) for r in report.values() if r[2] == a} - {(r[0], r[1]) for r in report.values() if r[2] == b}
+    assert not only_a & {(r[0], r[1]) for r in rows}  # a row needs both models
+
+    out = refresh_markdown(f"<!-- kvprobe:compare {a} {b} -->\nold\n<!-- /kvprobe:compare -->\n", REPO / "results")
+    assert f"| headline: {a} | headline: {b} |" in out and "old" not in out
+    with pytest.raises(KVProbeError, match="takes two model names"):
+        refresh_markdown(f"<!-- kvprobe:compare {a} -->\nx\n<!-- /kvprobe:compare -->", REPO / "results")
+    with pytest.raises(KVProbeError, match="takes no arguments"):
+        refresh_markdown(f"<!-- kvprobe:headlines {a} -->\nx\n<!-- /kvprobe:headlines -->", REPO / "results")
+    with pytest.raises(KVProbeError, match="no records for model 'nope'"):
+        compare_rows(REPO / "results", a, "nope")

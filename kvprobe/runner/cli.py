@@ -61,8 +61,12 @@ def _cmd_figures(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from kvprobe.runner.report import markdown_table, report_rows, stale_documents, write_documents
+    from kvprobe.runner.report import (compare_columns, compare_rows, markdown_table, report_rows, stale_documents,
+                                       write_documents)
 
+    if args.compare:
+        print(markdown_table(compare_rows(args.results, *args.compare, args.experiment), compare_columns(*args.compare)))
+        return 0
     rows = report_rows(args.results, args.experiment)
     if not rows:
         raise KVProbeError(f"no records under {args.results}/ (run an experiment first: make exp-locality)")
@@ -113,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="regenerate the <!-- kvprobe:NAME --> blocks of these markdown files in place")
     report.add_argument("--check", nargs="+", metavar="FILE",
                         help="exit 1 if these files' generated blocks differ from the records")
+    report.add_argument("--compare", nargs=2, metavar=("MODEL_A", "MODEL_B"),
+                        help="two models side by side on every (experiment, task) both have records for")
     report.set_defaults(func=_cmd_report)
 
     from kvprobe.runner import extra_commands

@@ -56,10 +56,35 @@ def report_rows(results_dir: str | Path = "results", experiments: list[str] | No
     return rows
 
 
-def markdown_table(rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+def markdown_table(rows: list[list[str]], columns: Sequence[str] = COLUMNS) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def compare_rows(results_dir: str | Path, model_a: str, model_b: str,
+                 experiments: list[str] | None = None) -> list[list[str]]:
+    """Two models side by side: one row per (experiment, task) that both have a record for.
+
+    What a rerun on a new organism changed, read from the newest record of each; cells keep the report's
+    wording, so a row reads "included / all, flip median, headline" for ``model_a`` then ``model_b``.
+    """
+    by_model: dict[str, dict[tuple[str, str], list[str]]] = {model_a: {}, model_b: {}}
+    for row in report_rows(results_dir, experiments):
+        if row[2] in by_model:
+            by_model[row[2]][(row[0], row[1])] = row
+    for model, rows in by_model.items():
+        if not rows:
+            raise KVProbeError(f"no records for model '{model}' under {results_dir}/: run its experiments first, "
+                               f"or name a model from `kvprobe report`")
+    shared = sorted(set(by_model[model_a]) & set(by_model[model_b]))
+    return [[exp, task, *(by_model[m][(exp, task)][i] for i in (3, 4) for m in (model_a, model_b)),
+             by_model[model_a][(exp, task)][5], by_model[model_b][(exp, task)][5]] for exp, task in shared]
+
+
+def compare_columns(model_a: str, model_b: str) -> tuple[str, ...]:
+    return ("experiment", "task", f"included / all: {model_a}", f"included / all: {model_b}",
+            f"flip median: {model_a}", f"flip median: {model_b}", f"headline: {model_a}", f"headline: {model_b}")
 
 
 # -- generated blocks in README.md and RESULTS.md -------------------------------------------------------------
@@ -67,7 +92,10 @@ def markdown_table(rows: list[list[str]]) -> str:
 # regenerates each from the records and leaves the prose around it alone, and a test checks that the committed
 # files equal their regeneration, so no number in a generated block can drift from the records.
 
-_BLOCK = re.compile(r"(<!-- kvprobe:(?P<name>[a-z_]+) -->\n)(?P<body>.*?)(<!-- /kvprobe:(?P=name) -->)", re.S)
+# A block may carry arguments after its name (`<!-- kvprobe:compare MODEL_A MODEL_B -->`); the closing marker
+# names the block only.
+_BLOCK = re.compile(r"(<!-- kvprobe:(?P<name>[a-z_]+)(?P<args>(?: [^\s>]+)*) -->\n)(?P<body>.*?)"
+                    r"(<!-- /kvprobe:(?P=name) -->)", re.S)
 
 
 def headline_table(results_dir: str | Path = "results", experiment: str = "locality", task: str = "gated") -> str:
@@ -117,7 +145,14 @@ def _organism_decisions_block(results_dir: str | Path) -> str:
     return decision_table(results_dir)
 
 
-GENERATORS: dict[str, Callable[[str | Path], str]] = {
+def _compare_block(results_dir: str | Path, *models: str) -> str:
+    if len(models) != 2:
+        raise KVProbeError(f"the block 'kvprobe:compare' takes two model names, got {len(models)}: write "
+                           f"<!-- kvprobe:compare MODEL_A MODEL_B -->")
+    return markdown_table(compare_rows(results_dir, *models), compare_columns(*models))
+
+
+GENERATORS: dict[str, Callable[..., str]] = {
     "report": lambda d: markdown_table(report_rows(d)),
     "headlines": headline_table,
     "claims": _claims_block,
@@ -126,7 +161,9 @@ GENERATORS: dict[str, Callable[[str | Path], str]] = {
     "organism_test_draw": _organism_test_draw_block,
     "organism_phrasings": _organism_phrasings_block,
     "organism_decisions": _organism_decisions_block,
+    "compare": _compare_block,
 }
+TAKES_ARGUMENTS = {"compare"}
 
 
 def refresh_markdown(text: str, results_dir: str | Path = "results") -> str:
@@ -135,7 +172,10 @@ def refresh_markdown(text: str, results_dir: str | Path = "results") -> str:
         name = m.group("name")
         if name not in GENERATORS:
             raise KVProbeError(f"unknown generated block 'kvprobe:{name}': one of {', '.join(GENERATORS)}")
-        return f"{m.group(1)}{GENERATORS[name](results_dir).rstrip()}\n{m.group(4)}"
+        args = m.group("args").split()
+        if args and name not in TAKES_ARGUMENTS:
+            raise KVProbeError(f"the block 'kvprobe:{name}' takes no arguments (got {' '.join(args)})")
+        return f"{m.group(1)}{GENERATORS[name](results_dir, *args).rstrip()}\n{m.group(5)}"
 
     return _BLOCK.sub(fill, text)
 
