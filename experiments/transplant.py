@@ -113,6 +113,26 @@ def run_instance(ctx: Context, inst: Any) -> dict[str, Any]:
     return row
 
 
+def agreement_by_direction(rows: list[dict[str, Any]], variant: str) -> dict[str, Any]:
+    """A variant's decision agreement split by the direction of the value change, with Fisher's exact test
+    of equal agreement when there are two directions. A chunk precompiled without the field misses the notes
+    the field conditions; if the decision reads them, the spliced cache falls back to one action whatever
+    the field says, and agreement then depends on the direction (it is high only where the full recompute
+    takes that same action)."""
+    from scipy.stats import fisher_exact
+
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(str(r.get("direction")), []).append(r)
+    out: dict[str, Any] = {"by_direction": {d: summarize_column(g, [bool(r[f"{variant}_agree"]) for r in g])
+                                            for d, g in sorted(groups.items())}}
+    if len(groups) == 2:
+        table = [[sum(bool(r[f"{variant}_agree"]) for r in g), sum(not r[f"{variant}_agree"] for r in g)]
+                 for _, g in sorted(groups.items())]
+        out["fisher_p"] = float(fisher_exact(table)[1])
+    return out
+
+
 def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
     variants = [k.removesuffix("_cosine") for k in rows[0] if k.endswith("_cosine")]
     return {
@@ -120,7 +140,8 @@ def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
         "n_instances": len(rows),
         "full_accuracy": sum(r["full_correct"] for r in rows) / len(rows),
         "variants": {v: {"cosine": summarize_column(rows, [r[f"{v}_cosine"] for r in rows], seed=ctx.cfg.seed),
-                         "agreement": summarize_column(rows, [bool(r[f"{v}_agree"]) for r in rows])}
+                         "agreement": summarize_column(rows, [bool(r[f"{v}_agree"]) for r in rows]),
+                         **agreement_by_direction(rows, v)}
                      for v in variants},
     }
 
@@ -132,6 +153,11 @@ def table(summary: dict[str, Any]) -> str:
     for v, s in summary["variants"].items():
         c, a = s["cosine"], s["agreement"]
         lines.append(f"{v:<14}{ci_cell(c, 4):<34}{ci_cell(a, 3):<30}")
+    seam0 = summary["variants"].get("seam0", {})
+    for d, a in seam0.get("by_direction", {}).items():
+        lines.append(f"  seam0 agreement, {d}: {a['k']}/{a['n']} {ci_cell(a, 2)}")
+    if "fisher_p" in seam0:
+        lines.append(f"  equal agreement in both directions: Fisher exact p {seam0['fisher_p']:.2g}")
     return "\n".join(lines)
 
 
@@ -144,6 +170,10 @@ def headline(s: dict[str, Any]) -> str:
     seams = sorted((k for k in v if k.startswith("seam") and k != "seam0"), key=lambda k: int(k[4:]))
     if seams:
         cells.insert(1, f"{seams[-1]} cos {v[seams[-1]]['cosine']['mean']:.3f}")
+    by = v.get("seam0", {}).get("by_direction")  # records written before the split have none
+    if by:
+        cells.insert(1, "seam0 agree by direction " + ", ".join(f"{d} {a['k']}/{a['n']}" for d, a in by.items())
+                     + (f" (Fisher p {v['seam0']['fisher_p']:.2g})" if "fisher_p" in v["seam0"] else ""))
     return "; ".join(cells) + f"; full-recompute accuracy {s['full_accuracy']:.2f}"
 
 

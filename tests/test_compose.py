@@ -62,3 +62,20 @@ def test_transplant_cli_end_to_end(tiny_text_dir, tmp_path):
 
     (row,) = report_rows(tmp_path)
     assert row[:4] == ["transplant", "gated", rec["model"]["name"], "- / 2"] and "no_rotation cos" in row[5]
+
+
+def test_transplant_agreement_by_direction_separates_a_default_action():
+    """A spliced cache that takes one action whatever the field says agrees only in one direction; the split
+    and Fisher's test show it, and balanced agreement gives p = 1."""
+    from experiments.transplant import agreement_by_direction
+
+    rows = [{"scenario": f"s{i}", "direction": d, "seam0_agree": float(a)}
+            for i, (d, a) in enumerate([("allow_to_block", 0)] * 9 + [("allow_to_block", 1)]
+                                       + [("block_to_allow", 1)] * 10)]
+    out = agreement_by_direction(rows, "seam0")
+    assert (out["by_direction"]["allow_to_block"]["k"], out["by_direction"]["allow_to_block"]["n"]) == (1, 10)
+    assert out["by_direction"]["block_to_allow"]["k"] == 10 and out["fisher_p"] < 1e-3
+    balanced = [{**r, "seam0_agree": float(i % 2)} for i, r in enumerate(rows)]
+    assert agreement_by_direction(balanced, "seam0")["fisher_p"] == 1.0
+    one_way = agreement_by_direction(rows[:10], "seam0")
+    assert "fisher_p" not in one_way and list(one_way["by_direction"]) == ["allow_to_block"]
