@@ -124,12 +124,10 @@ def agreement_by_direction(rows: list[dict[str, Any]], variant: str) -> dict[str
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault(str(r.get("direction")), []).append(r)
-    out: dict[str, Any] = {"by_direction": {d: summarize_column(g, [bool(r[f"{variant}_agree"]) for r in g])
-                                            for d, g in sorted(groups.items())}}
-    if len(groups) == 2:
-        table = [[sum(bool(r[f"{variant}_agree"]) for r in g), sum(not r[f"{variant}_agree"] for r in g)]
-                 for _, g in sorted(groups.items())]
-        out["fisher_p"] = float(fisher_exact(table)[1])
+    by = {d: summarize_column(g, [bool(r[f"{variant}_agree"]) for r in g]) for d, g in sorted(groups.items())}
+    out: dict[str, Any] = {"by_direction": by}
+    if len(by) == 2:
+        out["fisher_p"] = float(fisher_exact([[a["k"], a["n"] - a["k"]] for a in by.values()])[1])
     return out
 
 
