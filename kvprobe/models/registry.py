@@ -88,9 +88,9 @@ def register(entry: ModelEntry) -> None:
     REGISTRY[entry.alias] = entry
 
 
-# Organisms shipped with kvprobe: one folder each, holding card.json (base alias, recipe, evaluation) and the
-# peft adapter files. Read as data here so that models/ never imports organism/ (training imports models).
-ORGANISMS_DIR = Path(__file__).resolve().parents[1] / "organism" / "organisms"
+# Organisms: one folder each under the top-level ``organisms/`` of a checkout (outside the package), holding
+# card.json (base alias, recipe, evaluation) and the peft adapter files.
+ORGANISMS_DIR = Path(__file__).resolve().parents[2] / "organisms"
 
 
 def organism_dirs(root: Path | None = None) -> list[Path]:

@@ -199,7 +199,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     tr.add_argument("--words", default=None, help="scenario word list the generator draws from (v3; default "
                     "kvprobe/tasks/data/scenario_words.yaml; e.g. scenario_words_v3.yaml adds negated train phrasings)")
     tr.add_argument("--adapter-dtype", choices=["float32", "float16"], default=None)
-    tr.add_argument("--out", default=None, help="adapter folder (default: inside kvprobe/organism/organisms/)")
+    tr.add_argument("--out", default=None, help="adapter folder (default: inside organisms/)")
     tr.add_argument("--fresh", action="store_true", help="ignore checkpoints and start over")
     tr.set_defaults(func=_train)
     sd = osub.add_parser("seeds", help="mean +- sd over training seeds of one recipe, stored in the first card")

@@ -1,6 +1,6 @@
 """Organisms shipped with kvprobe register as model aliases (base model + LoRA adapter).
 
-Each organism is a folder under ``kvprobe/organism/organisms/<alias>/`` holding ``card.json`` (base alias,
+Each organism is a folder under ``organisms/<alias>/`` (top level of a checkout) holding ``card.json`` (base alias,
 recipe, data hashes, held-out evaluation) and the adapter files written by peft. Registration and loading
 live in :mod:`kvprobe.models` (which reads these folders as data); this module names the folder for training.
 """

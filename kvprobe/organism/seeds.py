@@ -28,7 +28,7 @@ def organism_folder(alias: str) -> Path:
     """The committed folder of an organism alias (its card and adapter)."""
     folder = ORGANISMS_DIR / alias
     if not (folder / "card.json").exists():
-        raise KVProbeError(f"organism '{alias}' has no card in kvprobe/organism/organisms/; train it with "
+        raise KVProbeError(f"organism '{alias}' has no card in organisms/; train it with "
                            f"`kvprobe organism train --alias {alias} ...`")
     return folder
 
