@@ -181,9 +181,12 @@ def organism_fingerprint(base_fingerprint: str, adapter_dir: Path) -> str:
 def load_organism(entry: ModelEntry, device: str = "cpu", dtype: str = "float32") -> LoadedModel:
     """An organism alias offline: its base model with the committed LoRA adapter merged in (a plain
     transformers model, so every site, hook and KV operation applies unchanged)."""
-    from peft import PeftModel
+    from kvprobe.organism.registry import require_adapter
 
     folder = Path(str(entry.gguf_file))
+    require_adapter(entry.alias, folder)  # a history organism's weights are in git: one error naming restore
+    from peft import PeftModel
+
     card_path = folder / "card.json"
     if not card_path.exists():
         raise KVProbeError(f"organism '{entry.alias}' has no card.json in {folder.name}; retrain it with "
@@ -326,7 +329,7 @@ def weights_available(entry: ModelEntry) -> bool:
         if entry.kind == "gguf_assembler":
             return importlib.util.find_spec(entry.source) is not None
         if entry.kind == "organism":
-            return Path(str(entry.gguf_file)).exists()
+            return (Path(str(entry.gguf_file)) / "adapter_model.safetensors").exists()
         from huggingface_hub import try_to_load_from_cache
 
         hit = try_to_load_from_cache(entry.source, "config.json")

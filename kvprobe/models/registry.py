@@ -35,20 +35,8 @@ class ModelEntry:
         if self.kind == "gguf_assembler":
             return f"PyPI package {self.source} (assembled GGUF)"
         if self.kind == "organism":
-            return f"organism: base {self.source} + adapter {_package_relative(self.gguf_file)}"
+            return f"organism: base {self.source} + adapter organisms/{Path(str(self.gguf_file)).name}/"
         return f"Hugging Face id {self.source}"
-
-
-def _package_relative(path: str | None) -> str:
-    """An adapter folder named from the package root (``kvprobe/organism/...``) so listings hold no machine paths."""
-    from pathlib import Path
-
-    p = Path(str(path))
-    root = Path(__file__).resolve().parents[1]
-    try:
-        return str(Path(root.name) / p.resolve().relative_to(root))
-    except ValueError:
-        return p.name
 
 
 _EMBEDDED = [
@@ -89,25 +77,30 @@ def register(entry: ModelEntry) -> None:
 
 
 # Organisms: one folder each under the top-level ``organisms/`` of a checkout (outside the package), holding
-# card.json (base alias, recipe, evaluation) and the peft adapter files.
-ORGANISMS_DIR = Path(__file__).resolve().parents[2] / "organisms"
-
-
+# card.json (base alias, recipe, evaluation) and the peft adapter files, listed in organisms/registry.yaml
+# (kvprobe.organism.registry, which imports nothing from models/: training imports models).
 def organism_dirs(root: Path | None = None) -> list[Path]:
-    return sorted(p.parent for p in (root or ORGANISMS_DIR).glob("*/card.json"))
+    from kvprobe.organism import registry as organisms
+
+    return sorted(p.parent for p in (root or organisms.ORGANISMS_DIR).glob("*/card.json"))
 
 
 def register_organisms(root: Path | None = None) -> None:
-    """Register every organism folder under ``root`` as an alias (base model + LoRA adapter, merged at load)."""
+    """Register every organism folder under ``root`` as an alias (base model + LoRA adapter, merged at load):
+    those of the registry with their status, and any other folder with a card (one just trained)."""
+    from kvprobe.organism import registry as organisms
+
+    listed = organisms.load_registry(root).organisms
     for folder in organism_dirs(root):
         card = json.loads((folder / "card.json").read_text())
         alias = card["alias"]
         if alias in REGISTRY:
             continue
         base = REGISTRY.get(card["base_model"])
+        status = listed[alias].status if alias in listed else "not in the registry"
         register(ModelEntry(alias, "organism", base.family if base else "unknown", card["base_model"],
                             gguf_file=str(folder), chat=base.chat if base else True,
-                            note=f"trained organism: {card.get('summary', 'LoRA adapter')}"))
+                            note=f"{status} organism: {card.get('summary', 'LoRA adapter')}"))
 
 
 def resolve(name: str) -> ModelEntry | Path:

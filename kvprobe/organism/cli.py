@@ -153,6 +153,32 @@ def _agreement(args: argparse.Namespace) -> int:
     return 0
 
 
+def _restore(args: argparse.Namespace) -> int:
+    from kvprobe.organism.registry import restore
+
+    path = restore(args.alias)
+    print(f"{args.alias}: adapter restored from git and checked by sha256 -> organisms/{args.alias}/{path.name} "
+          "(ignored by git)")
+    return 0
+
+
+def _registry(args: argparse.Namespace) -> int:
+    from kvprobe.organism.registry import organisms_table, sync_records, write_registry
+
+    if args.sync or args.check:
+        reg, changed = sync_records(Path(args.results))
+        if args.check:
+            for alias in changed:
+                print(f"{alias}: its records in organisms/registry.yaml differ from {args.results}/ "
+                      "(run `kvprobe organism registry --sync`)")
+            return 1 if changed else 0
+        write_registry(reg)
+        print("organisms/registry.yaml: records rewritten for " + (", ".join(changed) if changed else "nothing"))
+        return 0
+    print(organisms_table(history=not args.recommended))
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     from kvprobe.organism.validation import DRAW_SEEDS
 
@@ -238,3 +264,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     ag.add_argument("--recipes", default=None, help="comma-separated primary aliases (default: every organism)")
     ag.add_argument("--words", default=None, help="the word list the draws were made with (validate --words)")
     ag.set_defaults(func=_agreement)
+    rs = osub.add_parser("restore", help="bring a history organism's adapter back from git (sha256-checked) into "
+                         "organisms/ALIAS/")
+    rs.add_argument("alias", help="an organism of organisms/registry.yaml")
+    rs.set_defaults(func=_restore)
+    rg = osub.add_parser("registry", help="list the organism registry (status, family, lineage, adapter here)")
+    rg.add_argument("--recommended", action="store_true", help="only the recommended organisms")
+    rg.add_argument("--sync", action="store_true", help="rewrite each organism's records from results/")
+    rg.add_argument("--check", action="store_true", help="exit 1 if the registry's records differ from results/")
+    rg.add_argument("--results", default="results")
+    rg.set_defaults(func=_registry)

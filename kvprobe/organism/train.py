@@ -250,6 +250,10 @@ def _init_adapter(model: Any, recipe: Recipe) -> str:
 
     folder = ORGANISMS_DIR / str(recipe.init_from)
     card_path, weights = folder / "card.json", folder / "adapter_model.safetensors"
+    if not weights.exists() and card_path.exists():
+        from kvprobe.organism.registry import require_adapter
+
+        require_adapter(str(recipe.init_from), folder)  # a history organism: its weights are restored from git
     if not weights.exists():
         raise KVProbeError(f"init_from={recipe.init_from}: no organism adapter at {folder.name}/; choose one of "
                            f"{sorted(p.name for p in ORGANISMS_DIR.iterdir() if p.is_dir())}")

@@ -46,8 +46,13 @@ def _cmd_models(args: argparse.Namespace) -> int:
     w = max(30, max(len(a) for a in REGISTRY) + 2)
     print(f"{'alias':<{w}}{'here':<6}source")
     for alias, entry in REGISTRY.items():
+        if entry.kind == "organism":
+            continue  # listed below from the organism registry
         here = "yes" if weights_available(entry) else "no"
         print(f"{alias:<{w}}{here:<6}{entry.describe_source()}" + (f"  ({entry.note})" if entry.note else ""))
+    from kvprobe.organism.registry import organisms_table
+
+    print("\n" + organisms_table())
     print("\nAny local model directory also works as --model PATH (a config.json alone builds random weights).")
     return 0
 
