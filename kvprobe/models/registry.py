@@ -112,4 +112,8 @@ def resolve(name: str) -> ModelEntry | Path:
     if path.is_dir():
         return path
     known = ", ".join(sorted(REGISTRY))
-    raise KVProbeError(f"unknown model '{name}': use one of the aliases [{known}] or an existing local directory")
+    from kvprobe.organism import registry as organisms
+
+    hint = "" if organisms.load_registry().organisms else (
+        "; organisms are listed in the organisms/ folder of a kvprobe checkout, none here (set KVPROBE_ORGANISMS)")
+    raise KVProbeError(f"unknown model '{name}': use one of the aliases [{known}] or an existing local directory{hint}")
