@@ -427,7 +427,8 @@ def test_seed_spread_scores_every_seed_on_the_same_heldout_pairs(tiny_generator_
     assert json.loads((tmp_path / "s0" / "card.json").read_text())["seeds"]["aliases"] == ["tiny-v3-s0", "tiny-v3-s1"]
     table = seed_table(folders=[tmp_path / "s0", tmp_path / "s1"]).splitlines()
     blocks = [*spread["sets"].values(), *spread["diagnostics"].values()]
-    assert len(table) == 2 + 5 + 4 + 1 + sum(len(b["by_format"]) for b in blocks
+    assert set(spread["sets"]) == {"validation_unseen_format", "validation_train_formats"}  # test: `organism test`
+    assert len(table) == 2 + 2 + 4 + 1 + sum(len(b["by_format"]) for b in blocks
                                              if len(b["by_format"]) > 1)  # the card without a spread adds nothing
     assert all(row.startswith("| `tiny-v3-s0` (0, 1) |") for row in table[2:])
     card0 = json.loads((tmp_path / "s0" / "card.json").read_text())  # another word list is named on every row

@@ -217,3 +217,40 @@ def test_the_models_listing_and_the_registry_command_read_the_registry(capsys):
     capsys.readouterr()
     assert main(["organism", "registry", "--recommended"]) == 0
     assert "smollm2-135m-gated-v2 " not in capsys.readouterr().out
+
+
+def test_a_sealed_test_draw_refuses_a_dirty_tree_and_a_second_scoring_and_validate_refuses_test(capsys):
+    from kvprobe.organism.test_draws import TEST_DRAWS, check_may_score
+    from kvprobe.runner.cli import main
+
+    sealed = [n for n, d in TEST_DRAWS.items() if d.sealed]
+    assert sealed and all(TEST_DRAWS[n].pairs for n in sealed)  # a sealed draw's size is fixed in advance
+    name = sealed[0]
+    assert check_may_score(name, ["a"], [], dirty=False) is TEST_DRAWS[name]
+    with pytest.raises(KVProbeError, match="clean working tree"):
+        check_may_score(name, ["a"], [], dirty=True)
+    log = [{"draw": name, "aliases": ["a"], "git_commit": "f" * 40, "scored_at": "2026-01-01T00:00:00+00:00"}]
+    with pytest.raises(KVProbeError, match="scored once"):
+        check_may_score(name, ["b", "a"], log, dirty=False)
+    assert check_may_score(name, ["b"], log, dirty=False) is TEST_DRAWS[name]  # another organism: its one scoring
+    assert check_may_score("v2", ["a"], [{**log[0], "draw": "v2"}], dirty=True).sealed is False  # logged, not sealed
+    with pytest.raises(KVProbeError, match="--draw nope"):
+        check_may_score("nope", ["a"], [], dirty=False)
+    assert main(["organism", "validate", "smollm2-135m-gated-v3n2-seed2", "--split", "test"]) == 2
+    assert "kvprobe organism test ALIAS --draw NAME" in capsys.readouterr().err
+
+
+def test_the_sealed_word_list_holds_only_new_test_words():
+    """Every test-split word and rule phrasing of the sealed list is absent from every earlier list."""
+    from kvprobe.organism.test_draws import TEST_DRAWS
+    from kvprobe.tasks.generator import WORDS_FILE, check_splits, load_words, split_words
+
+    sealed = load_words(REPO / TEST_DRAWS["sealed-1"].words)
+    check_splits(sealed)
+    earlier = [load_words(WORDS_FILE.with_name(n)) for n in
+               ("scenario_words.yaml", "scenario_words_v2.yaml", "scenario_words_v3.yaml")]
+    for kind in ("subjects", "attributes", "value_pairs", "action_pairs", "rules"):
+        old = {w for words in earlier for split in ("train", "validation", "test")
+               for e in split_words(words, kind, split) for w in (e if isinstance(e, tuple) else (e,))}
+        new = {w for e in split_words(sealed, kind, "test") for w in (e if isinstance(e, tuple) else (e,))}
+        assert new and not new & old, (kind, sorted(new & old))

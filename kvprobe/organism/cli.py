@@ -65,6 +65,11 @@ def _validate(args: argparse.Namespace) -> int:
     from kvprobe.organism.validation import (CELL_LABELS, LABEL_WIDTH, block_key, recipe_summary,
                                              score_larger_draw)
 
+    if args.split == "test":
+        from kvprobe.errors import KVProbeError
+
+        raise KVProbeError("test draws are scored by `kvprobe organism test ALIAS --draw NAME` (each scoring "
+                           "logged in organisms/test_log.jsonl); validate scores validation draws only")
     folders = [organism_folder(a) for a in [args.primary, *(args.seeds.split(",") if args.seeds else [])]]
     block = score_larger_draw(folders, pairs=args.pairs, replace=args.replace, split=args.split, words=args.words)
     for name, cell in recipe_summary(block)["cells"].items():
@@ -150,6 +155,24 @@ def _agreement(args: argparse.Namespace) -> int:
                            "this word list among these recipes: `kvprobe organism validate <primary> --seeds "
                            "... --split validation_email` (and --split test) first")
     print(line[0].upper() + line[1:])
+    return 0
+
+
+def _test(args: argparse.Namespace) -> int:
+    from kvprobe.organism.seeds import organism_folder
+    from kvprobe.organism.test_draws import score_test_draw
+    from kvprobe.organism.validation import CELL_LABELS, LABEL_WIDTH
+
+    folders = [organism_folder(a) for a in [args.alias, *(args.seeds.split(",") if args.seeds else [])]]
+    _, entry = score_test_draw(folders, args.draw, pairs=args.pairs)
+    for name, c in entry["cells"].items():
+        label = "both cells" if name == "both" else CELL_LABELS[name]
+        p = c["pooled"]
+        print(f"{label:<{LABEL_WIDTH}} accuracy per seed {' / '.join(f'{v:.3f}' for v in c['accuracy_per_seed'])}  "
+              f"pooled {p['mean']:.3f} [{p['ci_low']:.3f}, {p['ci_high']:.3f}]  median flip per seed "
+              f"{' / '.join(f'{v:.2f}' for v in c['median_flip_per_seed'])}  ({c['n_pairs']} pairs)")
+    print(f"draw {args.draw}{' (sealed: scored once)' if entry['sealed'] else ''}: logged in organisms/test_log.jsonl, "
+          f"pairs stored in card.json of {args.alias} ({entry['card_key']})")
     return 0
 
 
@@ -239,8 +262,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     va.add_argument("--pairs", type=int, default=64, help="pairs per validation cell (default 64)")
     va.add_argument("--replace", action="store_true", help="discard a stored block for other pairs or seeds")
     va.add_argument("--split", choices=list(DRAW_SEEDS), default="validation",
-                    help="test: a fresh, larger draw of the test cells, to check a test claim (reported, never "
-                    "used to choose a recipe); validation_email: the validation families in the second validation "
+                    help="test: refused (`kvprobe organism test` scores test draws); validation_email: the "
+                    "validation families in the second validation "
                     "format (one cell)")
     va.add_argument("--words", default=None, help="draw from another word list than the recipe's (e.g. "
                     "kvprobe/tasks/data/scenario_words_v2.yaml: more held-out rule phrasings); stored under its own "
@@ -264,6 +287,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     ag.add_argument("--recipes", default=None, help="comma-separated primary aliases (default: every organism)")
     ag.add_argument("--words", default=None, help="the word list the draws were made with (validate --words)")
     ag.set_defaults(func=_agreement)
+    from kvprobe.organism.test_draws import TEST_DRAWS
+
+    te = osub.add_parser("test", help="score organisms on a test draw (the only command that does; each scoring is "
+                         "logged, a sealed draw is scored once)")
+    te.add_argument("alias", help="the organism whose card receives the scores")
+    te.add_argument("--draw", required=True, choices=list(TEST_DRAWS),
+                    help="; ".join(f"{k}: {d.note}" for k, d in TEST_DRAWS.items()))
+    te.add_argument("--seeds", default=None, help="comma-separated aliases of the same recipe with other seeds")
+    te.add_argument("--pairs", type=int, default=None, help="pairs per cell (unsealed draws; default 32)")
+    te.set_defaults(func=_test)
     rs = osub.add_parser("restore", help="bring a history organism's adapter back from git (sha256-checked) into "
                          "organisms/ALIAS/")
     rs.add_argument("alias", help="an organism of organisms/registry.yaml")

@@ -631,15 +631,16 @@ def base_reference(lm: Any, eval_sets: dict[str, list[tuple[Any, Any]]]) -> tupl
 
 
 def _eval_sets(lm: Any, recipe: Recipe) -> dict[str, list[tuple[Any, Any]]]:
-    """Held-out sets: validation (chooses the recipe) and test (reported); neither is trained on."""
+    """Held-out sets scored at training time: validation cells only (they choose the recipe; never trained on).
+
+    Test cells are scored by ``kvprobe organism test`` alone (logged; :mod:`kvprobe.organism.test_draws`).
+    Cards trained before that split also hold the test cells (test_unseen_formats, test_train_formats,
+    test_corrections, drawn with seeds 12_000-14_000), scored at training time."""
     from kvprobe.tasks.generator import FORMAT_SPLITS
 
     train_fmts = _train_formats(recipe)
     specs = {"validation_unseen_format": ("validation", FORMAT_SPLITS["validation"], recipe.val_instances),
-             "validation_train_formats": ("validation", train_fmts, recipe.val_instances),
-             "test_unseen_formats": ("test", FORMAT_SPLITS["test"], recipe.eval_instances),
-             "test_train_formats": ("test", train_fmts, recipe.eval_instances),
-             "test_corrections": ("test", FORMAT_SPLITS["test"] + train_fmts, recipe.eval_instances // 2)}
+             "validation_train_formats": ("validation", train_fmts, recipe.val_instances)}
     sets = {}
     for name, (split, fmts, n) in specs.items():
         # Independent of the training seed, so every seed of a recipe is scored on the same instances
