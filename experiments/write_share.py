@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvprobe.backends import HookableModel
 from kvprobe.patching.hooks import capture
 from kvprobe.patching.ranking import rank_downstream
 from kvprobe.patching.sites import Site
@@ -42,7 +43,7 @@ class Params(BaseModel):
     top_notes: int = Field(4, ge=1, description="blocks are patched at this many top-effect note positions")
 
 
-def decomposition_shares(lm: Any, case: Any, notes: list[int]) -> tuple[list[float], float]:
+def decomposition_shares(lm: HookableModel, case: Any, notes: list[int]) -> tuple[list[float], float]:
     """Per layer L, the attention share of the oracle - stale residual difference after L at the notes (the
     projection of the summed attention-output differences up to L onto the total, averaged over notes), and
     the largest relative error of the decomposition against the captured residual (an identity: ~0)."""

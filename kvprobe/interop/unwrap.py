@@ -19,14 +19,25 @@ its view once.
 from __future__ import annotations
 
 import copy
+import functools
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeAlias, TypeVar
 
 import torch
 
+from kvprobe.backends import HookableModel
 from kvprobe.errors import KVProbeError
 from kvprobe.models.arch import arch_spec
 from kvprobe.models.loading import LoadedModel, fingerprint_model
+
+if TYPE_CHECKING:
+    from nnsight import LanguageModel
+    from transformer_lens.model_bridge import TransformerBridge
+    from transformers import PreTrainedModel
+
+# What a public kvprobe function accepts as a model: converted once, at the boundary, by :func:`as_lm`.
+ModelLike: TypeAlias = "HookableModel | TransformerBridge | LanguageModel | PreTrainedModel"
 
 _BRIDGE_WRAPPER = "_original_component."
 _views: "weakref.WeakKeyDictionary[Any, LoadedModel]" = weakref.WeakKeyDictionary()
@@ -82,11 +93,12 @@ def hf_view_of_bridge(bridge: Any) -> torch.nn.Module:
     return view.eval()
 
 
-def as_lm(obj: Any, tokenizer: Any = None, name: str | None = None) -> LoadedModel:
-    """The :class:`LoadedModel` behind ``obj`` (a LoadedModel, TransformerBridge, nnsight LanguageModel, or a
-    Hugging Face ``PreTrainedModel`` with ``tokenizer``)."""
-    if isinstance(obj, LoadedModel) or (hasattr(obj, "spec") and hasattr(obj, "model") and not is_nnsight(obj)):
-        return obj  # a LoadedModel (or a stand-in with the same fields)
+def as_lm(obj: ModelLike, tokenizer: Any = None, name: str | None = None) -> HookableModel:
+    """The :class:`~kvprobe.backends.HookableModel` behind ``obj`` (a LoadedModel or any other implementation of
+    the protocol, a TransformerBridge, an nnsight LanguageModel, or a Hugging Face ``PreTrainedModel`` with
+    ``tokenizer``)."""
+    if isinstance(obj, HookableModel) and not is_nnsight(obj):
+        return obj  # a LoadedModel, or another backend implementing the protocol
     if is_hooked_transformer(obj):
         raise KVProbeError("a HookedTransformer holds TransformerLens-layout weights (folded norms) that kvprobe "
                            "cannot map back to the Hugging Face model; boot a TransformerBridge on the same model "
@@ -113,3 +125,18 @@ def as_lm(obj: Any, tokenizer: Any = None, name: str | None = None) -> LoadedMod
     except TypeError:
         pass
     return lm
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def at_boundary(fn: Callable[Concatenate[HookableModel, _P], _R]) -> Callable[Concatenate[ModelLike, _P], _R]:
+    """``fn`` made public: its model argument may be any :data:`ModelLike`, converted once by :func:`as_lm`
+    before the core sees it (the core itself takes the protocol only)."""
+
+    @functools.wraps(fn)
+    def public(lm: ModelLike, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        return fn(as_lm(lm), *args, **kwargs)
+
+    return public

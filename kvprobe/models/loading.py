@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from kvprobe.backends.hf import HFKVBackend
 from kvprobe.cache_dir import cache_root
 from kvprobe.errors import KVProbeError
 from kvprobe.models.arch import ArchSpec, arch_spec
@@ -33,8 +34,11 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 
 
 @dataclass
-class LoadedModel:
-    """A model ready for kvprobe: the HF module, its tokenizer (None for config-only models) and its spec."""
+class LoadedModel(HFKVBackend):
+    """A model ready for kvprobe: the HF module, its tokenizer (None for config-only models) and its spec.
+
+    It implements :class:`kvprobe.backends.HookableModel` (the four cache operations through the transformers
+    backend, plus the modules to hook)."""
 
     model: Any
     tokenizer: Any

@@ -14,28 +14,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvprobe.errors import KVProbeError
+from kvprobe.schema import hash_neutral, hashed_params  # noqa: F401  (also the runner's names)
+from kvprobe.schema import format_validation_error as _format_validation_error
 from kvprobe.models.registry import DEFAULT_MODEL
 from kvprobe.tasks.generator import GeneratorFormats, GeneratorSplit, RulePosition
-
-
-def hash_neutral(default: Any, **kwargs: Any) -> Any:
-    """A param added after records were written, whose ``default`` reproduces those records' numbers: it enters the
-    record hash only when set to something else, so adding it renames no committed record."""
-    return Field(default, json_schema_extra={"hash_neutral_default": True}, **kwargs)
-
-
-def hashed_params(params: BaseModel) -> dict[str, Any]:
-    """A model as hashed: its JSON dump, defaults included, except hash-neutral fields left at their default
-    (recursively, so a hash-neutral field of a nested section counts too)."""
-    dumped = params.model_dump(mode="json")
-    for name, info in type(params).model_fields.items():
-        value = getattr(params, name)
-        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
-        if extra.get("hash_neutral_default") and value == info.get_default(call_default_factory=True):
-            dumped.pop(name, None)
-        elif isinstance(value, BaseModel):
-            dumped[name] = hashed_params(value)
-    return dumped
 
 
 class Strict(BaseModel):
@@ -100,35 +82,10 @@ class RunConfig(Strict):
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
-    cls: Any = model
-    for part in loc[:-1]:
-        field = cls.model_fields.get(str(part)) if hasattr(cls, "model_fields") else None
-        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
-            return []
-        cls = field.annotation
-    return sorted(cls.model_fields) if hasattr(cls, "model_fields") else []
-
-
 def format_validation_error(exc: Exception, model: type[BaseModel] | None = None, prefix: str = "") -> str:
-    """One line per problem: ``key 'task.n_instance': not a known key (allowed: ...)``."""
-    if not isinstance(exc, ValidationError):
-        return str(exc)
-    lines = []
-    for err in exc.errors():
-        loc = tuple(err["loc"])
-        key = ".".join(str(p) for p in (prefix, *loc) if p != "")
-        if model is RunConfig and loc and loc[0] == "gate":  # the documented name of that section
-            key = "inclusion" + key[len("gate"):]
-        if err["type"] == "extra_forbidden":
-            allowed = _allowed_keys(model, loc) if model is not None else []
-            hint = f" (allowed: {', '.join(allowed)})" if allowed else ""
-            lines.append(f"key '{key}' is not a known key{hint}; remove or rename it")
-        elif err["type"] == "missing":
-            lines.append(f"key '{key}' is required")
-        else:
-            lines.append(f"key '{key}': {err['msg']} (got {err.get('input')!r})")
-    return "; ".join(lines)
+    """One line per problem (:func:`kvprobe.schema.format_validation_error`); a run config's ``gate`` section
+    is named by its documented key, ``inclusion``."""
+    return _format_validation_error(exc, model, prefix, renames={"gate": "inclusion"} if model is RunConfig else None)
 
 
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:

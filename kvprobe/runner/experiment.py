@@ -15,14 +15,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict
 from tqdm.auto import tqdm
 
+from kvprobe.backends import HookableModel
 from kvprobe.errors import KVProbeError
 from kvprobe.runner.config import RunConfig, hashed_params, validate_params
 from kvprobe.runner.records import RecordWriter, _clean, git_commit, package_versions, record_path
+
+if TYPE_CHECKING:
+    from kvprobe.interop.unwrap import ModelLike
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +41,7 @@ class Context:
 
     cfg: RunConfig
     params: Any
-    lm: Any
+    lm: HookableModel
     template: Any = None
     scratch: dict[str, Any] = field(default_factory=dict)  # per-run state set by setup()
 
@@ -128,7 +132,7 @@ def verification_dir(output_dir: str | Path) -> Path:
     return Path(output_dir).parent / "runs"
 
 
-def run_experiment(cfg: RunConfig, overwrite: bool = False, fresh: bool = False, lm: Any = None,
+def run_experiment(cfg: RunConfig, overwrite: bool = False, fresh: bool = False, lm: ModelLike | None = None,
                    progress: bool = True, config_source: str = "<config>", offline: bool | None = None,
                    tol_nats: float | None = None) -> tuple[Path, dict[str, Any]]:
     """Run ``cfg`` end to end and return (record path, record).
