@@ -100,16 +100,17 @@ class Claim:
     location: str = ""  # where in the paper: "Fig. 2c", "App. D (2)", "Tab. 6"
     paper_n: str | None = None  # the paper's n behind the number ("48/48 (8 tasks x 6 samples)")
     params: tuple[tuple[str, Any], ...] = ()  # record params the claim needs, e.g. (("scheme", "erratum"),)
+    only: str | None = None  # a row path that must be true for an instance to count (e.g. "full_correct")
 
 
 def near(key: str, text: str, paper: str, a: str, target: float, paper_value: float | None, margin: float =
          RECOVERY_MARGIN, template: str = "gated", paper_range: tuple[float, float] | None = None,
          gated: bool = True, b: str | None = None, role: Role | None = None, location: str = "",
-         paper_n: str | None = None, params: tuple[tuple[str, Any], ...] = ()) -> Claim:
+         paper_n: str | None = None, params: tuple[tuple[str, Any], ...] = (), only: str | None = None) -> Claim:
     """``a`` (or ``a - b``) ~ ``target`` (or within the paper's range), +- ``margin``: a TOST."""
     lo, hi = paper_range or (target, target)
     return Claim(key, text, paper, "equivalent", a, b, paper_value, (lo - margin, hi + margin), None, template,
-                 gated, role, location, paper_n, params)
+                 gated, role, location, paper_n, params, only)
 
 
 def _slope(values: list[float]) -> float | None:
@@ -142,6 +143,9 @@ def get(row: dict[str, Any], path: str) -> Any:
             if part == "@slope":
                 return _slope(vals)
             return sum(vals) / len(vals) if vals else None
+        if isinstance(cur, list) and part.isdigit():  # a per-layer list indexed by the layer
+            cur = cur[int(part)] if int(part) < len(cur) else None
+            continue
         if not isinstance(cur, dict) or part not in cur:
             return None
         cur = cur[part]
@@ -234,13 +238,16 @@ def evaluate(claim: Claim, record: dict[str, Any]) -> dict[str, Any]:
     yet: that waits for the BH q within the claim's family, :func:`claims_rows`)."""
     rows = claim_rows(record)
     used = [r for r in rows if r.get("included")] if claim.gated else list(rows)
+    if claim.only:
+        used = [r for r in used if get(r, claim.only)]
     a_path = resolve(claim.a, record)
     b_path = resolve(claim.b, record) if isinstance(claim.b, str) else None
     b_summary = b_path is not None and b_path.startswith("summary.")
     out: dict[str, Any] = {"claim": claim.text, "key": claim.key, "kind": claim.kind, "role": claim.role,
                            "paper": claim.paper, "location": claim.location, "paper_n": claim.paper_n,
                            "paper_value": claim.paper_value, "bounds": claim.bounds, "bound": claim.bound,
-                           "over": "gated" if claim.gated else "all", "n_rows": len(rows), "p": None,
+                           "over": ("gated" if claim.gated else "all") + (f", {claim.only}" if claim.only else ""),
+                           "n_rows": len(rows), "p": None,
                            "n": 0, "n_clusters": 0, "unit": None, "n_units": 0, "n_needed": None, "test": None,
                            "ours": {}, "notes": [], "paper_point": claim.paper_value}
     if b_summary:  # a constant the summary computed (e.g. the record's write depth)
