@@ -1,6 +1,6 @@
 """The claims forest plot: per paper claim x model, ours (mean and 95% CI) beside the paper's value, the
-equivalence bounds or rate bound shaded, coloured by verdict (kvprobe.claims; paper Appendix G's
-confirmatory protocol). Claims whose inclusion filter left no instance are not drawn; identities are drawn
+equivalence bounds or rate bound shaded, coloured by verdict (kvprobe.claims; paper Appendix H's
+confirmatory protocol), the paper's effects above the controls. Claims whose inclusion filter left no instance are not drawn; identities are drawn
 grey. Reads records only.
 """
 
@@ -13,14 +13,18 @@ import matplotlib.pyplot as plt
 
 from kvprobe.figures.common import save
 
-COLORS = {"reproduced": "tab:green", "not reproduced": "tab:red", "not measurable": "tab:orange",
-          "identity": "tab:gray"}
+COLORS = {"reproduced": "tab:green", "outside the paper's range": "tab:purple", "inconclusive": "tab:olive",
+          "not reproduced": "tab:red", "not measurable": "tab:orange", "identity": "tab:gray",
+          "no paper number": "tab:gray"}
 
 
 def fig_claims(records: list[dict[str, Any]], path: Path) -> None:
     from kvprobe.claims import claims_rows
 
     rows = [r for r in claims_rows(records) if r["ours"].get("mean") is not None]
+    # the paper's effects first, then controls / sanity checks / identities, with a rule between the blocks
+    rows = [r for r in rows if r.get("role") == "effect"] + [r for r in rows if r.get("role") != "effect"]
+    n_controls = sum(r.get("role") != "effect" for r in rows)
     if not rows:
         return
     fig, ax = plt.subplots(figsize=(9, 0.32 * len(rows) + 1.6))
@@ -38,9 +42,12 @@ def fig_claims(records: list[dict[str, Any]], path: Path) -> None:
         if r.get("paper_point") is not None:
             ax.plot(r["paper_point"], y, "x", color="black", ms=6)
         tmpl = "" if r["template"] == "gated" else f" [{r['template']}]"
-        labels.append(f"{r['claim']}{tmpl} - {r['model']}")
+        role = "effect" if r.get("role") == "effect" else "control"
+        labels.append(f"[{role}] {r['claim']}{tmpl} - {r['model']}")
     ax.set_yticks(range(len(labels)), labels, fontsize=7)
     ax.set_ylim(-0.8, len(labels) - 0.2)
+    if 0 < n_controls < len(rows):
+        ax.axhline(n_controls - 0.5, color="black", lw=0.8)  # controls below the rule, the paper's effects above
     ax.axvline(0, color="black", lw=0.4)
     ax.axvline(1, color="black", lw=0.4, ls=":")
     handles = [plt.Line2D([], [], color=c, marker="o", ls="-", label=k) for k, c in COLORS.items()]
