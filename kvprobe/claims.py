@@ -582,13 +582,19 @@ def headline(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     for r in rows:
         if r.get("role") != "effect" or r.get("status") == "describe":
             continue
-        h = out.setdefault(r["model"], {"lineage": r.get("lineage"), "effects": 0, "reproduced": 0, "verdicts": {}})
-        h["effects"] += 1
+        h = out.setdefault(r["model"], {"lineage": r.get("lineage"), "effects": 0, "reproduced": 0, "verdicts": {},
+                                        "by_template": {}})
         head = r["verdict"].split(" (")[0]
-        h["verdicts"][head] = h["verdicts"].get(head, 0) + 1
-        h["reproduced"] += head == "reproduced"
+        # per task shape too (the pretrained models are read on several prompt shapes)
+        for tally in (h, h["by_template"].setdefault(r["template"], {"effects": 0, "reproduced": 0,
+                                                                      "verdicts": {}})):
+            tally["effects"] += 1
+            tally["verdicts"][head] = tally["verdicts"].get(head, 0) + 1
+            tally["reproduced"] += head == "reproduced"
     for model, h in out.items():
-        h["verdicts"] = dict(sorted(h["verdicts"].items()))
+        for tally in (h, *h["by_template"].values()):
+            tally["verdicts"] = dict(sorted(tally["verdicts"].items()))
+        h["by_template"] = dict(sorted(h["by_template"].items()))
         h["text"] = f"{model}: {h['reproduced']} of {h['effects']} paper effects reproduced"
     return dict(sorted(out.items()))
 
