@@ -55,6 +55,7 @@ fine-tunes", never as replication.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Sequence
@@ -76,7 +77,7 @@ MIN_POWERED_N = MIN_N  # kept for callers of the old name
 ACCURACY_MARGIN = 0.03  # the paper's TOST margin for accuracy/agreement in its user-memory protocol (Appendix H)
 KVPROBE_RATE_BOUND = 1 - ACCURACY_MARGIN  # kvprobe's own bound for decision rates (App. H's margin, borrowed)
 RATIO_FLOOR = 0.05  # a share a / b is undefined where |b| is below this (no full-site effect to share)
-DIGITS = 10  # significant digits written to claims.json: the file is byte-identical across runs and BLAS builds
+DIGITS = 6  # significant digits written to claims.json: the file is byte-identical across runs and BLAS builds
 Kind = Literal["equivalent", "greater", "at_least", "agrees", "identity", "describe"]
 Role = Literal["effect", "control"]
 
@@ -638,22 +639,87 @@ def load_claims(results_dir: str | Path = "results") -> list[dict[str, Any]]:
     return claims_rows(load_records(results_dir))
 
 
+# A claim's declaration (the same on every model) is written once, under "declarations"; a row keeps what was
+# measured. These fields of an in-memory row are the declaration's, or repeat another field.
+_DECLARED = ("claim", "paper", "location", "paper_n", "kind", "paper_value", "bounds", "bound", "over", "variant")
+_DROPPED = ("lineage", "pretrained", "n_rows", "bh_family", "paper_point", "sd", "status", "schema_version",
+            "experiment", "key", "lineage_root", "n", "n_clusters", "n_needed", "mean_diff")
+_DEFAULT_CI = "cluster bootstrap (percentile, by scenario)"
+
+
+def _slim_row(cid: str, r: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": cid}
+    for k, v in r.items():
+        if k in _DECLARED + _DROPPED or v is None or (k == "notes" and not v):
+            continue
+        if k == "ours":
+            v = {kk: vv for kk, vv in v.items() if vv is not None and not (kk == "ci_method" and vv == _DEFAULT_CI)}
+        if k == "record":  # results/<experiment>/<model>/<record>.json
+            v = Path(v).stem
+        out[k] = v
+    return out
+
+
+def claim_id(row: dict[str, Any]) -> str:
+    """``experiment.key`` (with ``@template`` off the gated task and ``[param=value]`` for a variant)."""
+    cid = f"{row['experiment']}.{row['key']}"
+    if row.get("variant"):
+        cid += "[" + ",".join(f"{k}={v}" for k, v in sorted(row["variant"].items())) + "]"
+    return cid
+
+
 def claims_document(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The claims file: the protocol, the headline per model, lineages, each claim's declaration once, and
+    one row per claim x record with what was measured (floats at ``DIGITS`` significant digits)."""
+    declarations: dict[str, dict[str, Any]] = {}
+    lineages: dict[str, str] = {}
+    slim = []
+    for r in rows:
+        cid = claim_id(r) + ("" if r["template"] == "gated" or r["template"].startswith("generated_")
+                             else f"@{r['template']}")
+        declarations.setdefault(cid, {k: r.get(k) for k in _DECLARED})
+        lineages.setdefault(r["model"], {"chain": r.get("lineage", r["model"]),
+                                         "root": r.get("lineage_root", r["model"])})
+        slim.append(_slim_row(cid, r))
     return _stable({"alpha": ALPHA, "min_n": MIN_N, "min_clusters": MIN_CLUSTERS,
                     "correction": "Benjamini-Hochberg (fdr_bh) within two families: paper effects; controls",
                     "tests": "on cluster (scenario) means whenever clusters < instances; a positive verdict needs "
                              "q < alpha and the shown 95% interval on the paper's side of every bound",
-                    "headline": headline(rows), "lineage": lineage_summary(rows), "claims": list(rows)})
+                    "rows": "id: a key of declarations; record: results/<experiment>/<model>/<record>.json; ours: "
+                            f"mean and 95% interval ({_DEFAULT_CI} unless ci_method says otherwise), n instances, "
+                            "n_clusters; n_units: what the test counted (unit instance or cluster)",
+                    "headline": headline(rows), "lineage": lineage_summary(rows),
+                    "lineages": dict(sorted(lineages.items())), "declarations": dict(sorted(declarations.items())),
+                    "claims": slim})
+
+
+def _write_document(path: Path, doc: dict[str, Any]) -> None:
+    """Atomically, compact JSON with one claims row per line (small, and a diff shows which rows changed)."""
+    import json
+    import os
+    import tempfile
+
+    dumps = functools.partial(json.dumps, separators=(",", ":"), allow_nan=False)
+    head = [f" {dumps(k)}: {dumps(v)}," for k, v in doc.items() if k != "claims"]
+    body = ",\n".join("  " + dumps(r) for r in doc["claims"])
+    text = "{\n" + "\n".join(head) + '\n "claims": [\n' + body + "\n ]\n}\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def write_claims(results_dir: str | Path = "results", out: str | Path | None = None
                  ) -> tuple[Path, list[dict[str, Any]]]:
     """Evaluate every claim and write them to ``<results>/claims.json`` (a pure function of the records)."""
-    from kvprobe.runner.records import atomic_write_json
-
     rows = load_claims(results_dir)
     path = Path(out) if out else Path(results_dir) / "claims.json"
-    atomic_write_json(path, claims_document(rows))
+    _write_document(path, claims_document(rows))
     return path, rows
 
 

@@ -340,4 +340,6 @@ def test_claims_file_is_byte_identical_when_regenerated(tmp_path):
     second, _ = write_claims(tmp_path / "results", tmp_path / "b.json")
     assert rows and first.read_bytes() == second.read_bytes()
     doc = json.loads(first.read_text())
-    assert set(doc) >= {"headline", "lineage", "claims"} and all("role" in r and "lineage" in r for r in doc["claims"])
+    assert set(doc) >= {"headline", "lineage", "lineages", "declarations", "claims"}
+    assert all("role" in r and r["model"] in doc["lineages"] and r["id"] in doc["declarations"] for r in doc["claims"])
+    assert all("n" in r["ours"] and "n_clusters" in r["ours"] for r in doc["claims"] if r["ours"])
