@@ -206,6 +206,11 @@ def claim_rows(record: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _binary(values: Sequence[Any]) -> bool:
+    """Paired outcomes stored as booleans or as floats 0/1 (e.g. decision agreement): tested as booleans."""
+    return all(isinstance(v, bool) or (isinstance(v, (int, float)) and float(v) in (0.0, 1.0)) for v in values)
+
+
 def _num_or_bool(x: Any) -> float:
     return float(_flag(x)) if isinstance(x, bool) else float(x)
 
@@ -315,11 +320,12 @@ def evaluate(claim: Claim, record: dict[str, Any]) -> dict[str, Any]:
     a_num = [_num_or_bool(x) for x in a]
     b_num = [_num_or_bool(x) for x in b]
     diffs = [u - v for u, v in zip(a_num, b_num)]
-    # ours: the paired difference, or the measure itself when it is compared with a constant
-    shown = diffs if b_path else a_num
+    # ours: the paired difference (also against a constant the summary computed, e.g. commit - write depth),
+    # or the measure itself when it is compared with a stated constant
+    shown = diffs if (b_path or b_summary) else a_num
     out["ours"] = _ours(summarize(shown, clusters=clusters))
     out["mean_diff"] = float(np.mean(diffs))
-    if not b_path and claim.kind == "greater":
+    if not b_path and not b_summary and claim.kind == "greater":
         out["paper_point"] = b_const + claim.paper_value if claim.paper_value is not None else None
     if clustered:
         _, unit_a = cluster_means(a_num, clusters)
@@ -341,11 +347,11 @@ def evaluate(claim: Claim, record: dict[str, Any]) -> dict[str, Any]:
         _power_block(out, len(unit_d), min(center - low, upp - center),
                      min(ours_mean - low, upp - ours_mean), sd_or_none, "t")
     else:  # greater
-        booleans = all(isinstance(x, bool) for x in a) and (b_path is None or all(isinstance(x, bool) for x in b))
-        if booleans and b_path is None:
+        if b_path is None and all(isinstance(x, bool) for x in a):
             raise ValueError(f"claim {claim.key}: a rate against a constant is an at_least claim")
+        booleans = b_path is not None and _binary(a) and _binary(b)
         if booleans and not clustered:
-            test = mcnemar_exact(a, b)
+            test = mcnemar_exact([_flag(x) for x in a], [_flag(x) for x in b])
             out.update(test="McNemar (exact, two-sided)", p=test["p"], discordant=[test["a_only"], test["b_only"]])
             b_only = min(test["b_only"] / len(a), 0.5)
             paper_eff = None if claim.paper_value is None else min(claim.paper_value, 1.0 - 2 * b_only)

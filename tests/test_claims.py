@@ -343,3 +343,21 @@ def test_claims_file_is_byte_identical_when_regenerated(tmp_path):
     assert set(doc) >= {"headline", "lineage", "lineages", "declarations", "claims"}
     assert all("role" in r and r["model"] in doc["lineages"] and r["id"] in doc["declarations"] for r in doc["claims"])
     assert all("n" in r["ours"] and "n_clusters" in r["ours"] for r in doc["claims"] if r["ours"])
+
+
+def test_float_agreement_pairs_are_tested_as_booleans_and_summary_constants_as_differences():
+    rows = _rows(12, rot=1.0, norot=1.0, commit=RNG.normal(0.75, 0.05, 12))
+    same = evaluate(Claim("r", "rotated > unrotated", "0.78 vs 0.18", "greater", "rot", "norot", paper_value=0.6),
+                    _record("t", rows))
+    same["q"] = same["p"]
+    assert same["test"].startswith("McNemar") and same["p"] == 1.0
+    assert verdict(same) == "not reproduced (CI at or below zero)"  # no instance differs although n = 12
+    rec = _record("timing", rows)
+    rec["summary"] = {"write_depth": 0.35}
+    gap = evaluate(Claim("w", "write before commit", "0.38", "greater", "commit", "summary.write_depth",
+                         paper_value=0.22), rec)
+    assert gap["b_value"] == 0.35 and gap["ours"]["mean"] == pytest.approx(np.mean([r["commit"] for r in rows]) - 0.35)
+    gap["q"] = gap["p"]
+    assert verdict(gap) == "reproduced"
+    rec["summary"] = {}
+    assert evaluate(Claim("w", "x", "x", "greater", "commit", "summary.write_depth"), rec)["status"] == "empty"
