@@ -73,7 +73,6 @@ from kvprobe.stats.inference import (ALPHA, bh_fdr, binom_at_least, mcnemar_exac
 RECOVERY_MARGIN = 0.1  # kvprobe's equivalence margin for recovery: a tenth of the oracle flip
 MIN_N = 10  # no verdict but "not measurable" below this many instances ...
 MIN_CLUSTERS = 5  # ... or this many clusters (and no interval is shown below it)
-MIN_POWERED_N = MIN_N  # kept for callers of the old name
 ACCURACY_MARGIN = 0.03  # the paper's TOST margin for accuracy/agreement in its user-memory protocol (Appendix H)
 KVPROBE_RATE_BOUND = 1 - ACCURACY_MARGIN  # kvprobe's own bound for decision rates (App. H's margin, borrowed)
 RATIO_FLOOR = 0.05  # a share a / b is undefined where |b| is below this (no full-site effect to share)
@@ -776,5 +775,5 @@ def register(sub: Any) -> None:
     p = sub.add_parser("claims", help="test every declared paper claim on the newest records; write the table")
     p.add_argument("--results", default="results")
     p.add_argument("--out", help="where the claims JSON goes (default: <results>/claims.json)")
-    p.add_argument("--figure", default="figures/claims_forest.png", help="forest plot path ('' for none)")
+    p.add_argument("--figure", default="figures/claims_forest.png", help="claims figure path ('' for none)")
     p.set_defaults(func=_cmd_claims)
