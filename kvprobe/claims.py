@@ -76,7 +76,7 @@ MIN_CLUSTERS = 5  # ... or this many clusters (and no interval is shown below it
 ACCURACY_MARGIN = 0.03  # the paper's TOST margin for accuracy/agreement in its user-memory protocol (Appendix H)
 KVPROBE_RATE_BOUND = 1 - ACCURACY_MARGIN  # kvprobe's own bound for decision rates (App. H's margin, borrowed)
 RATIO_FLOOR = 0.05  # a share a / b is undefined where |b| is below this (no full-site effect to share)
-DIGITS = 6  # significant digits written to claims.json: the file is byte-identical across runs and BLAS builds
+DIGITS = 4  # significant digits written to claims.json: the file is byte-identical across runs and BLAS builds
 Kind = Literal["equivalent", "greater", "at_least", "agrees", "identity", "describe"]
 Role = Literal["effect", "control"]
 
@@ -588,8 +588,7 @@ def headline(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     for r in rows:
         if r.get("role") != "effect" or r.get("status") == "describe":
             continue
-        h = out.setdefault(r["model"], {"lineage": r.get("lineage"), "effects": 0, "reproduced": 0, "verdicts": {},
-                                        "by_template": {}})
+        h = out.setdefault(r["model"], {"effects": 0, "reproduced": 0, "verdicts": {}, "by_template": {}})
         head = r["verdict"].split(" (")[0]
         # per task shape too (the pretrained models are read on several prompt shapes)
         for tally in (h, h["by_template"].setdefault(r["template"], {"effects": 0, "reproduced": 0,
@@ -598,9 +597,10 @@ def headline(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             tally["verdicts"][head] = tally["verdicts"].get(head, 0) + 1
             tally["reproduced"] += head == "reproduced"
     for model, h in out.items():
-        for tally in (h, *h["by_template"].values()):
-            tally["verdicts"] = dict(sorted(tally["verdicts"].items()))
-        h["by_template"] = dict(sorted(h["by_template"].items()))
+        h["verdicts"] = dict(sorted(h["verdicts"].items()))
+        h["by_template"] = {t: f"{v['reproduced']} of {v['effects']} reproduced ("
+                            + ", ".join(f"{k}: {n}" for k, n in sorted(v["verdicts"].items())) + ")"
+                            for t, v in sorted(h["by_template"].items())}
         h["text"] = f"{model}: {h['reproduced']} of {h['effects']} paper effects reproduced"
     return dict(sorted(out.items()))
 
@@ -618,7 +618,7 @@ def lineage_summary(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]
     summary = {}
     for key in sorted(out):
         lines = {root: sorted(models) for root, models in sorted(out[key].items())}
-        summary[key] = {"independent_lineages": len(lines), "lineages": lines,
+        summary[key] = {"independent_lineages": len(lines),
                         "reading": "; ".join(f"{root}: " + (f"stable across fine-tunes ({len(m)} models)"
                                                             if len(m) > 1 else m[0]) for root, m in lines.items())}
     return summary
@@ -647,7 +647,7 @@ def load_claims(results_dir: str | Path = "results") -> list[dict[str, Any]]:
 # A claim's declaration (the same on every model) is written once, under "declarations"; a row keeps what was
 # measured. These fields of an in-memory row are the declaration's, or repeat another field.
 _DECLARED = ("claim", "paper", "location", "paper_n", "kind", "paper_value", "bounds", "bound", "over", "variant")
-_DROPPED = ("lineage", "pretrained", "n_rows", "bh_family", "paper_point", "sd", "status", "schema_version",
+_DROPPED = ("pretrained", "n_rows", "bh_family", "paper_point", "sd", "status", "schema_version",
             "experiment", "key", "lineage_root", "n", "n_clusters", "n_needed", "mean_diff")
 _DEFAULT_CI = "cluster bootstrap (percentile, by scenario)"
 
@@ -655,12 +655,23 @@ _DEFAULT_CI = "cluster bootstrap (percentile, by scenario)"
 def _slim_row(cid: str, r: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"id": cid}
     for k, v in r.items():
-        if k in _DECLARED + _DROPPED or v is None or (k == "notes" and not v):
+        if k in _DECLARED + _DROPPED or v is None:
             continue
+        if (k, v) in (("template", "gated"), ("unit", "instance")):
+            continue  # the defaults, named in the file's "rows" note
+        if k == "notes":  # a note the verdict already says is not repeated
+            v = [n for n in v if n not in r.get("verdict", "")]
+            if not v:
+                continue
         if k == "ours":
             v = {kk: vv for kk, vv in v.items() if vv is not None and not (kk == "ci_method" and vv == _DEFAULT_CI)}
         if k == "record":  # results/<experiment>/<model>/<record>.json
             v = Path(v).stem
+        if k == "lineage":  # the chain, each fine-tune without its base's name: "smollm2-135m > gated > gated-v2"
+            base = v.split(" > ")[0]
+            v = ">".join([base] + [a.removeprefix(base + "-") for a in v.split(" > ")[1:]])
+        if k == "test" and r.get("status") in ("identity", "describe"):
+            continue  # the verdict says it was not tested
         out[k] = v
     return out
 
@@ -690,7 +701,10 @@ def claims_document(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
                     "correction": "Benjamini-Hochberg (fdr_bh) within two families: paper effects; controls",
                     "tests": "on cluster (scenario) means whenever clusters < instances; a positive verdict needs "
                              "q < alpha and the shown 95% interval on the paper's side of every bound",
-                    "rows": "id: a key of declarations; record: results/<experiment>/<model>/<record>.json; ours: "
+                    "rows": "id: a key of declarations; template: gated unless stated; unit (of the test): instance "
+                            "unless stated; lineage: the base, then each fine-tune it was continued from, joined by '>' "
+                            "(aliases without the base's name; full chains under lineages); "
+                            "record: results/<experiment>/<model>/<record>.json; ours: "
                             f"mean and 95% interval ({_DEFAULT_CI} unless ci_method says otherwise), n instances, "
                             "n_clusters; n_units: what the test counted (unit instance or cluster)",
                     "headline": headline(rows), "lineage": lineage_summary(rows),
