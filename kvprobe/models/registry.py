@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from kvprobe.errors import KVProbeError
+from kvprobe.errors import KVProbeError, closest
 
 SourceKind = Literal["gguf_package", "gguf_split_package", "gguf_assembler", "hf", "organism"]
 
@@ -118,5 +118,5 @@ def resolve(name: str) -> ModelEntry | Path:
     path = Path(name).expanduser()
     if path.is_dir():
         return path
-    known = ", ".join(sorted(REGISTRY))
-    raise KVProbeError(f"unknown model '{name}': use one of the aliases [{known}] or an existing local directory")
+    raise KVProbeError(f"unknown model '{name}'{closest(name, REGISTRY)}: give an alias (`kvprobe models` lists "
+                       "them), a Hugging Face id (org/name) or a local model directory")

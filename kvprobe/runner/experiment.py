@@ -1,7 +1,7 @@
 """Experiment registry and the run loop shared by every experiment.
 
-An experiment module in ``experiments/`` defines ``EXPERIMENT = Experiment(...)``: its parameters model,
-a function that measures one instance (returning a row), and a function that summarizes the rows. The
+An experiment module in ``experiments/`` (imported as ``kvprobe.experiments.<name>``) defines
+``EXPERIMENT = Experiment(...)``: its parameters model, a function that measures one instance (returning a row), and a function that summarizes the rows. The
 runner does everything else: config, model, instances, progress, resume, gate bookkeeping, the record.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 from tqdm.auto import tqdm
 
-from kvprobe.errors import KVProbeError
+from kvprobe.errors import KVProbeError, closest
 from kvprobe.runner.config import RunConfig, hashed_params, validate_params
 from kvprobe.runner.records import RecordWriter, _clean, git_commit, package_versions, record_path
 
@@ -65,7 +65,7 @@ class Experiment:
 
 
 def available_experiments() -> dict[str, str]:
-    import experiments
+    import kvprobe.experiments as experiments
 
     return {m.name: m.name for m in pkgutil.iter_modules(experiments.__path__) if not m.name.startswith("_")}
 
@@ -73,8 +73,8 @@ def available_experiments() -> dict[str, str]:
 def get_experiment(name: str) -> Experiment:
     names = available_experiments()
     if name not in names:
-        raise KVProbeError(f"unknown experiment '{name}': choose from {', '.join(sorted(names))}")
-    module = importlib.import_module(f"experiments.{name}")
+        raise KVProbeError(f"unknown experiment '{name}'{closest(name, names)}: choose from {', '.join(sorted(names))}")
+    module = importlib.import_module(f"kvprobe.experiments.{name}")
     exp = getattr(module, "EXPERIMENT", None)
     if not isinstance(exp, Experiment):
         raise KVProbeError(f"experiments/{name}.py defines no EXPERIMENT")
