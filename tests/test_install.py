@@ -86,7 +86,7 @@ def test_installed_wheel_runs_an_experiment_outside_the_checkout(installed, tiny
                            cwd=work, env=env, capture_output=True, text=True, check=True).stdout.split()
     assert Path(where[0]).is_relative_to(env_dir) and where[1] == "True"  # the wheel's kvprobe; no `experiments`
     run = subprocess.run([str(env_dir / "bin" / "kvprobe"), "run", "locality", "--model", str(tiny_text_dir),
-                          "--set", "task.n_instances=2", "--output-dir", "out", "--quiet"],
+                          "--random-init", "--set", "task.n_instances=2", "--output-dir", "out", "--quiet"],
                          cwd=work, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     records = list((work / "out" / "locality").glob("*/*.json"))

@@ -25,10 +25,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
         os.environ["HF_HUB_OFFLINE"] = "1"  # transformers' own hub lookups honour it too
     path, record = run_experiment(cfg, overwrite=args.overwrite, fresh=args.fresh, progress=not args.quiet,
                                   config_source=args.config, offline=True if args.offline else None,
-                                  tol_nats=args.tol_nats)
+                                  tol_nats=args.tol_nats, random_init=args.random_init)
     exp = get_experiment(cfg.experiment)
+    random_note = ("RANDOM-INIT MODEL: seeded random weights (a config-only directory), not a trained model; "
+                   "these numbers test the pipeline, not the paper") if record["model"].get("random_init") else ""
+    if random_note:
+        print(random_note)
     if exp.table is not None:
         print(exp.table(record["summary"]))
+    if random_note:
+        print(random_note)
     print(f"record: {path}")
     if "reproduction" in record:
         from kvprobe.runner.reproduce import reproduction_table
@@ -48,7 +54,8 @@ def _cmd_models(args: argparse.Namespace) -> int:
     for alias, entry in REGISTRY.items():
         here = "yes" if weights_available(entry) else "no"
         print(f"{alias:<{w}}{here:<6}{entry.describe_source()}" + (f"  ({entry.note})" if entry.note else ""))
-    print("\nAny local model directory also works as --model PATH (a config.json alone builds random weights).")
+    print("\nAny Hugging Face id (org/name) of a supported architecture also works as --model, and so does a local "
+          "model directory (a config.json without weights is refused unless --random-init).")
     return 0
 
 
@@ -89,8 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run an experiment config and write its record")
-    run.add_argument("config", help="a YAML file in configs/ (e.g. configs/locality.yaml)")
-    run.add_argument("--model", help="alias (see `kvprobe models`) or a model directory")
+    run.add_argument("config", help="a YAML file (e.g. configs/locality.yaml) or a config name (e.g. locality)")
+    run.add_argument("--model", help="alias (see `kvprobe models`), Hugging Face id (org/name) or a model directory")
+    run.add_argument("--random-init", action="store_true",
+                     help="allow a model directory with a config.json but no weights (seeded random weights; the "
+                          "record and the table say so)")
     run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (dotted), repeatable")
     run.add_argument("--output-dir", help="where records go (default: results)")
     run.add_argument("--overwrite", action="store_true", help="replace a finished record of the same config")

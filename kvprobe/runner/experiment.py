@@ -130,7 +130,7 @@ def verification_dir(output_dir: str | Path) -> Path:
 
 def run_experiment(cfg: RunConfig, overwrite: bool = False, fresh: bool = False, lm: Any = None,
                    progress: bool = True, config_source: str = "<config>", offline: bool | None = None,
-                   tol_nats: float | None = None) -> tuple[Path, dict[str, Any]]:
+                   tol_nats: float | None = None, random_init: bool = False) -> tuple[Path, dict[str, Any]]:
     """Run ``cfg`` end to end and return (record path, record).
 
     If ``results/`` already holds the record of this exact config and ``overwrite`` is not given, the run is
@@ -161,7 +161,8 @@ def run_experiment(cfg: RunConfig, overwrite: bool = False, fresh: bool = False,
     if lm is None:
         from kvprobe.models.loading import load_model
 
-        lm = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed, offline=offline)
+        lm = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed, offline=offline,
+                        random_init=random_init)
     else:
         from kvprobe.interop.unwrap import as_lm
 
