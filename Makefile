@@ -63,7 +63,7 @@ notebooks: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks/
 
 gate: $(STAMP)
-	$(PY) -m kvprobe gate --model $(MODEL)
+	$(PY) -m kvprobe gate --model $(MODEL) $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)
