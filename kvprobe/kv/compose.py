@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvprobe.interop.unwrap import accepts_wrappers
 from kvprobe.kv.readout import prefill
 from kvprobe.kv.rope import rerotate
 from kvprobe.kv.state import KVState
@@ -19,6 +20,7 @@ from kvprobe.kv.state import KVState
 import torch
 
 
+@accepts_wrappers
 def precompile(lm: Any, ids: Sequence[int]) -> KVState:
     """KV of a chunk prefilled alone at positions 0..L-1."""
     return prefill(lm, list(ids))
@@ -41,6 +43,7 @@ class Spliced:
     rotate: bool = True  # False is the no-rotation control: keys keep their isolated positions' rotation
 
 
+@accepts_wrappers
 def splice(lm: Any, prior: KVState | None, block: Spliced) -> KVState:
     """``prior`` followed by the block at the next positions."""
     start = prior.next_position if prior is not None else 0
@@ -54,6 +57,7 @@ def splice(lm: Any, prior: KVState | None, block: Spliced) -> KVState:
     return moved if state is None else state.concat(moved)
 
 
+@accepts_wrappers
 def assemble(lm: Any, pieces: Sequence[Live | Spliced]) -> KVState:
     """One KVState from pieces in order: live pieces are prefilled, spliced ones re-rotated and appended."""
     state: KVState | None = None

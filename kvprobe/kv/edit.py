@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from kvprobe.errors import KVProbeError
+from kvprobe.interop.unwrap import accepts_wrappers
 from kvprobe.kv.readout import prefill
 from kvprobe.kv.state import KVState
 from kvprobe.tasks.edits import common_prefix_len
@@ -133,6 +134,7 @@ def _causal_masks(lm: Any, kept_pos: torch.Tensor, new_pos: torch.Tensor, dtype:
 
 
 @torch.no_grad()
+@accepts_wrappers
 def recompute_slots(lm: Any, state: KVState, ids: Sequence[int], slots: Sequence[int]) -> KVState:
     """``state`` with the K/V of ``slots`` recomputed: the tokens ``ids[slot]`` run through the model at their
     recorded positions over every other slot, causally (kept slots < p, recomputed tokens <= p).
@@ -178,11 +180,13 @@ def stale(e: FieldEdit) -> EditResult:
     return EditResult(e.stale, e.suffix, 0, e.length)
 
 
+@accepts_wrappers
 def in_place(lm: Any, e: FieldEdit) -> EditResult:
     """Refresh the field's own KV and nothing else (~1% compute; ignored without a reasoning chain)."""
     return _recomputed(lm, e, e.field_slots)
 
 
+@accepts_wrappers
 def field_selective(lm: Any, e: FieldEdit, ranked_downstream: Sequence[int], k: int) -> EditResult:
     """The field plus the top ``k`` of ``ranked_downstream`` (highest causal effect first), recomputed."""
     top = [int(p) for p in ranked_downstream[:k]]
@@ -191,10 +195,12 @@ def field_selective(lm: Any, e: FieldEdit, ranked_downstream: Sequence[int], k: 
     return _recomputed(lm, e, [*e.field_slots, *top], k=k)
 
 
+@accepts_wrappers
 def full_downstream(lm: Any, e: FieldEdit) -> EditResult:
     return _recomputed(lm, e, range(e.field_start, e.length))
 
 
+@accepts_wrappers
 def full_reprefill(lm: Any, e: FieldEdit) -> EditResult:
     return EditResult(prefill(lm, e.ids), e.suffix, e.length, e.length)
 
@@ -204,6 +210,7 @@ class _Stop(Exception):
 
 
 @torch.no_grad()
+@accepts_wrappers
 def kv_deviation(lm: Any, e: FieldEdit, check_layer: int) -> torch.Tensor:
     """Per slot from the field on: ||K_new - K_stale||^2 + ||V_new - V_stale||^2 at ``check_layer``, where
     the new K/V come from running the new context from the field on through layers 0..check_layer only
@@ -236,6 +243,7 @@ def kv_deviation(lm: Any, e: FieldEdit, check_layer: int) -> torch.Tensor:
     return dev.cpu()
 
 
+@accepts_wrappers
 def cacheblend(lm: Any, e: FieldEdit, ratio: float, check_layer: int = 1) -> EditResult:
     """CacheBlend-style selective recompute: rank the slots from the field on by KV deviation at
     ``check_layer`` and recompute the top ``ratio`` of the context (the field always among them)."""
@@ -252,6 +260,7 @@ def cacheblend(lm: Any, e: FieldEdit, ratio: float, check_layer: int = 1) -> Edi
     return replace(res, partial_pass_tokens=check_pass * (check_layer + 1) / lm.spec.n_layers)
 
 
+@accepts_wrappers
 def rank_downstream_by_effect(lm: Any, pp: Any, batch_size: int = 64) -> list[int]:
     """Downstream slots, highest single-position causal effect first (oracle K/V patched into the stale
     cache on every layer, ranked by recovery): :func:`kvprobe.patching.ranking.rank_downstream`."""
@@ -263,6 +272,7 @@ def rank_downstream_by_effect(lm: Any, pp: Any, batch_size: int = 64) -> list[in
 
 
 # -- appending edits ------------------------------------------------------------------------------------------
+@accepts_wrappers
 def append_edit(lm: Any, cached: KVState, cached_ids: Sequence[int], prompt: Sequence[int], readout_tokens: int,
                 already_recomputed: int = 0, needs_prompt_surgery: bool = False, **detail: Any) -> EditResult:
     """Reuse ``cached`` for the longest token prefix it shares with ``prompt`` and prefill the rest of the
@@ -278,12 +288,14 @@ def append_edit(lm: Any, cached: KVState, cached_ids: Sequence[int], prompt: Seq
                       detail={"reused_tokens": cut, "appended_tokens": ctx - cut, **detail})
 
 
+@accepts_wrappers
 def erratum(lm: Any, e: FieldEdit, erratum_prompt: Sequence[int], readout_tokens: int) -> EditResult:
     """Stale cache + a salient erratum and the decision prompt as new tokens. ``erratum_prompt`` is the
     erratum prompt's full token ids with the OLD value still in the field (the cache's text)."""
     return append_edit(lm, e.stale, e.stale_ids, erratum_prompt, readout_tokens)
 
 
+@accepts_wrappers
 def field_erratum(lm: Any, e: FieldEdit, erratum_prompt: Sequence[int], readout_tokens: int) -> EditResult:
     """In-place field refresh, then the erratum appended. ``erratum_prompt`` holds the NEW value in the field."""
     refreshed = in_place(lm, e)
@@ -291,6 +303,7 @@ def field_erratum(lm: Any, e: FieldEdit, erratum_prompt: Sequence[int], readout_
                        already_recomputed=refreshed.recomputed_tokens)
 
 
+@accepts_wrappers
 def hoist_to_end(lm: Any, old_hoisted: Sequence[int], new_hoisted: Sequence[int], readout_tokens: int,
                  prefix: KVState | None = None) -> EditResult:
     """Prompt surgery: the prompts with the field next to the question. Their shared, value-independent

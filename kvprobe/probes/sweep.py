@@ -34,6 +34,7 @@ from typing import Any, Union
 
 import torch
 
+from kvprobe.interop.unwrap import accepts_wrappers
 from kvprobe.kv.readout import prefill, read_logits
 from kvprobe.kv.state import KVState
 from kvprobe.metrics import logit_diff
@@ -135,6 +136,7 @@ METRICS: dict[str, Callable[[Case, torch.Tensor], torch.Tensor]] = {
 
 # -- the sweep ---------------------------------------------------------------------------------------------
 
+@accepts_wrappers
 def sweep(lm: Any, case: Case, patches: Mapping[str, Patch], metric: str = "recovery", batch_size: int = 64,
           base: str = "stale", sources: Mapping[str, KVState] | None = None, actions_only: bool = False
           ) -> dict[str, float]:
@@ -153,6 +155,7 @@ def sweep(lm: Any, case: Case, patches: Mapping[str, Patch], metric: str = "reco
     return {k: float(values[i]) for i, k in enumerate(labels)}
 
 
+@accepts_wrappers
 def sweep_logits(lm: Any, case: Case, patches: Mapping[str, Patch], batch_size: int = 64, base: str = "stale",
                  sources: Mapping[str, KVState] | None = None, token_ids: Sequence[int] | None = None
                  ) -> dict[str, torch.Tensor]:
