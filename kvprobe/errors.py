@@ -9,6 +9,14 @@ from collections.abc import Iterable
 class KVProbeError(Exception):
     """A problem the user can fix: the message names what is wrong and how to fix it."""
 
+    exit_code = 2
+
+
+class Interrupted(KVProbeError):
+    """The user stopped a run (Ctrl-C): the message says what was kept and how to resume."""
+
+    exit_code = 130
+
 
 def closest(name: str, choices: Iterable[object], n: int = 3) -> str:
     """``" (did you mean 'a' or 'b'?)"`` for the choices closest to ``name``, or ``""`` when none is close."""

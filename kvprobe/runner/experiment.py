@@ -8,7 +8,6 @@ runner does everything else: config, model, instances, progress, resume, gate bo
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 import pkgutil
 import time
@@ -22,7 +21,8 @@ from tqdm.auto import tqdm
 
 from kvprobe.errors import KVProbeError, closest
 from kvprobe.runner.config import RunConfig, hashed_params, validate_params
-from kvprobe.runner.records import RecordWriter, _clean, git_commit, package_versions, record_path
+from kvprobe.runner.records import (RecordLock, RecordWriter, _clean, check_clean_tree, git_commit, package_versions,
+                                    read_record, record_path)
 
 log = logging.getLogger(__name__)
 
@@ -128,14 +128,41 @@ def verification_dir(output_dir: str | Path) -> Path:
     return Path(output_dir).parent / "runs"
 
 
+# -- the run's safety rails (package): clean tree to publish, one run per config, Ctrl-C keeps what is done ----
+
 def run_experiment(cfg: RunConfig, overwrite: bool = False, fresh: bool = False, lm: Any = None,
                    progress: bool = True, config_source: str = "<config>", offline: bool | None = None,
-                   tol_nats: float | None = None, random_init: bool = False) -> tuple[Path, dict[str, Any]]:
+                   tol_nats: float | None = None, random_init: bool = False, allow_dirty: bool = False
+                   ) -> tuple[Path, dict[str, Any]]:
     """Run ``cfg`` end to end and return (record path, record).
 
     If ``results/`` already holds the record of this exact config and ``overwrite`` is not given, the run is
     a reproduction: it is written under ``runs/`` (untracked) and the returned record carries a
-    ``reproduction`` block comparing it with the committed one (:mod:`kvprobe.runner.reproduce`)."""
+    ``reproduction`` block comparing it with the committed one (:mod:`kvprobe.runner.reproduce`).
+
+    A record published into the checkout (``results/``) needs a clean working tree unless ``allow_dirty``; a lock
+    beside the record refuses a second identical run while one is going; an interruption (Ctrl-C) raises
+    :class:`kvprobe.errors.Interrupted` saying how many instances are saved for the resume."""
+    import contextlib
+
+    from kvprobe.errors import Interrupted
+
+    run: dict[str, Any] = {}
+    with contextlib.ExitStack() as stack:
+        try:
+            return _run_experiment(cfg, overwrite, fresh, lm, progress, config_source, offline, tol_nats,
+                                   random_init, allow_dirty, stack, run)
+        except KeyboardInterrupt:
+            writer, n = run.get("writer"), run.get("n_instances")
+            if writer is None or n is None:
+                raise Interrupted("interrupted before the first instance ran; nothing was saved") from None
+            raise Interrupted(f"{len(writer.done)} of {n} instances saved to {writer.partial}; rerun the same "
+                              "command to resume") from None
+
+
+def _run_experiment(cfg: RunConfig, overwrite: bool, fresh: bool, lm: Any, progress: bool, config_source: str,
+                    offline: bool | None, tol_nats: float | None, random_init: bool, allow_dirty: bool,
+                    stack: Any, run: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
     import torch
 
     from kvprobe.runner.reproduce import DEFAULT_TOL_NATS, compare_records
@@ -156,7 +183,14 @@ def run_experiment(cfg: RunConfig, overwrite: bool = False, fresh: bool = False,
         if path.exists():
             log.warning("replacing the earlier reproduction run %s (an untracked copy; the committed record "
                         "%s is left as it is)", path, reference)
+    if lm is None:
+        from kvprobe.models.registry import resolve
+
+        resolve(cfg.model)  # package: an unknown model is reported before the tree and lock checks
+    check_clean_tree(path, allow_dirty)  # package: publish only from a clean tree
+    stack.enter_context(RecordLock(path))  # package: a second identical run is refused while this one goes
     writer = RecordWriter(path, overwrite=overwrite or reference is not None, fresh=fresh)
+    run["writer"] = writer
     t0 = time.perf_counter()
     if lm is None:
         from kvprobe.models.loading import load_model
@@ -171,6 +205,7 @@ def run_experiment(cfg: RunConfig, overwrite: bool = False, fresh: bool = False,
     torch.manual_seed(cfg.seed)
     ctx = Context(cfg=cfg, params=params, lm=lm)
     instances = (exp.make_instances or default_instances)(ctx)
+    run["n_instances"] = len(instances)
     if exp.setup is not None:
         exp.setup(ctx)
     t1 = time.perf_counter()
@@ -192,7 +227,7 @@ def run_experiment(cfg: RunConfig, overwrite: bool = False, fresh: bool = False,
         "config_hash": chash,
         "params_resolved": resolved_params,
         "task_template_sha256": template_sha,
-        "git": git_commit(),
+        "git": git_commit(allow_dirty),
         "packages": package_versions(),
         "model": lm.describe(),
         "seed": cfg.seed,
@@ -201,7 +236,7 @@ def run_experiment(cfg: RunConfig, overwrite: bool = False, fresh: bool = False,
         "timings": {"load_s": round(t_load, 3), "run_s": round(t_run, 3), "resumed_instances": resumed},
     }
     if reference is not None:
-        check = compare_records(json.loads(reference.read_text()), _clean(record),
+        check = compare_records(read_record(reference), _clean(record),
                                 tol_nats=DEFAULT_TOL_NATS if tol_nats is None else tol_nats)
         record["reproduction"] = {"reference": str(reference), **check.to_dict()}
     return writer.finish(record), record
