@@ -239,3 +239,20 @@ def test_dirty_tree_refuses_to_publish_unless_allowed(repo):
 
 def test_record_git_block_says_allow_dirty():
     assert git_commit(True)["allow_dirty"] is True and git_commit()["allow_dirty"] is False
+
+
+def test_run_checks_the_tree_before_computing_and_records_allow_dirty(tiny_text_dir, tmp_path, monkeypatch, capsys):
+    seen = []
+
+    def dirty_tree(path, allow_dirty):
+        seen.append(path)
+        if not allow_dirty:
+            raise KVProbeError("the working tree has uncommitted changes to tracked files (code.py)")
+
+    monkeypatch.setattr(experiment_module, "check_clean_tree", dirty_tree)
+    out = tmp_path / "results"
+    assert main(_run_args(tiny_text_dir, out, 2)) == 2
+    assert "uncommitted changes" in capsys.readouterr().err and not list(out.rglob("*.json*"))
+    assert main(_run_args(tiny_text_dir, out, 2, "--allow-dirty")) == 0
+    record = json.loads(next(out.rglob("*.json")).read_text())
+    assert record["git"]["allow_dirty"] is True and seen[-1] == next(out.rglob("*.json"))
