@@ -138,3 +138,31 @@ def test_cli_random_init_run_is_marked_in_record_and_table(tiny_text_dir, tmp_pa
     assert out.count("RANDOM-INIT MODEL") == 2  # above and below the table
     rec = json.loads(next((tmp_path / "results").rglob("*.json")).read_text())
     assert rec["model"]["random_init"] is True
+
+
+def test_models_shows_first_load_time_and_cache_disk_measured_from_the_cache(tmp_path, monkeypatch, capsys):
+    from kvprobe.models.loading import FIRST_LOAD_FILE
+    from kvprobe.runner.cli import main
+
+    monkeypatch.setenv("KVPROBE_CACHE", str(tmp_path))
+    smol = tmp_path / "dequantized" / "smollm2-135m"
+    smol.mkdir(parents=True)
+    (smol / "model.safetensors").write_bytes(b"\0" * 2_500_000)
+    (smol / FIRST_LOAD_FILE).write_text(json.dumps({"seconds": 12.4}))
+    (smol / ".complete").write_text("x.gguf")
+    gemma = tmp_path / "dequantized" / "gemma3-270m"
+    gemma.mkdir(parents=True)
+    (gemma / ".complete").write_text("x.gguf")  # a cache built before first loads were timed
+    (tmp_path / "gguf").mkdir()
+    (tmp_path / "gguf" / "gemma-3-270m-q4_k_m.gguf").write_bytes(b"\0" * 1_000_000)  # assembled: it counts
+    assert main(["models"]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.strip()}
+    assert "12 s" in lines["smollm2-135m"] and "0.00 GB" in lines["smollm2-135m"]
+    assert "not timed" in lines["gemma3-270m"] and "0.00 GB" in lines["gemma3-270m"]
+    assert "not yet" in lines["qwen2.5-coder-0.5b"]
+    from kvprobe.models.loading import cache_usage
+    from kvprobe.models.registry import REGISTRY
+
+    assert cache_usage(REGISTRY["gemma3-270m"])["bytes"] == 1_000_000 + len("x.gguf")
+    assert cache_usage(REGISTRY["smollm2-135m"]) == {"bytes": 2_500_000 + len("x.gguf") + len(json.dumps(
+        {"seconds": 12.4})), "first_load_s": 12.4}

@@ -21,6 +21,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,31 @@ def _gguf_path(entry: ModelEntry) -> Path:
         tmp.unlink(missing_ok=True)
 
 
+FIRST_LOAD_FILE = "first_load.json"  # beside the dequantized weights: how long building them took, measured then
+
+
+def cache_usage(entry: ModelEntry) -> dict[str, Any] | None:
+    """An embedded model's footprint in the kvprobe cache, measured from the cache itself: the bytes of its
+    dequantized safetensors folder plus any assembled GGUF, and the first load's seconds as recorded when the
+    cache was built (None when it was built before kvprobe recorded it). None when the model is not cached."""
+    if entry.kind not in ("gguf_package", "gguf_split_package", "gguf_assembler"):
+        return None
+    folder = cache_root() / "dequantized" / entry.alias
+    if not (folder / ".complete").exists():
+        return None
+    files = [p for p in folder.rglob("*") if p.is_file()]
+    gguf = cache_root() / "gguf" / str(entry.gguf_file)
+    if entry.kind != "gguf_package" and gguf.is_file():
+        files.append(gguf)  # a split or assembled GGUF is copied into the cache; a packaged one is read in place
+    seconds = None
+    if (folder / FIRST_LOAD_FILE).is_file():
+        try:
+            seconds = json.loads((folder / FIRST_LOAD_FILE).read_text()).get("seconds")
+        except (json.JSONDecodeError, OSError):
+            seconds = None
+    return {"bytes": sum(p.stat().st_size for p in files), "first_load_s": seconds}
+
+
 def _dequantized_dir(entry: ModelEntry) -> Path:
     """Dequantize a GGUF once and keep it as safetensors in the cache (later loads take ~1 s)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -115,6 +141,7 @@ def _dequantized_dir(entry: ModelEntry) -> Path:
     target = cache_root() / "dequantized" / entry.alias
     if (target / "config.json").exists() and (target / ".complete").exists():
         return target
+    t0 = time.perf_counter()
     gguf = _gguf_path(entry)
     log.warning("dequantizing %s once (%s); later loads read the cached safetensors", entry.alias, gguf.name)
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -131,6 +158,9 @@ def _dequantized_dir(entry: ModelEntry) -> Path:
     try:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
+        (tmp / FIRST_LOAD_FILE).write_text(json.dumps({
+            "seconds": round(time.perf_counter() - t0, 1), "cpus": os.cpu_count(),
+            "what": "GGUF assembled from its PyPI package(s), dequantized to fp32, saved as safetensors"}) + "\n")
         (tmp / ".complete").write_text(gguf.name)
         if (target / ".complete").exists():
             return target  # another process finished first

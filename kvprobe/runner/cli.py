@@ -77,16 +77,29 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
-    from kvprobe.models.loading import weights_available
+    from kvprobe.models.loading import cache_usage, weights_available
     from kvprobe.models.registry import REGISTRY, resolve
 
     resolve(next(iter(REGISTRY)))  # registers the organisms shipped with kvprobe
     w = max(30, max(len(a) for a in REGISTRY) + 2)
-    print(f"{'alias':<{w}}{'here':<6}source")
+    print(f"{'alias':<{w}}{'here':<6}{'first load':<12}{'cache disk':<12}source")
     for alias, entry in REGISTRY.items():
         here = "yes" if weights_available(entry) else "no"
-        print(f"{alias:<{w}}{here:<6}{entry.describe_source()}" + (f"  ({entry.note})" if entry.note else ""))
-    print("\nAny Hugging Face id (org/name) of a supported architecture also works as --model, and so does a local "
+        usage = cache_usage(entry)
+        first = cached = ""
+        if usage is not None:
+            first = f"{usage['first_load_s']:.0f} s" if usage["first_load_s"] is not None else "not timed"
+            cached = f"{usage['bytes'] / 1e9:.2f} GB"
+        elif entry.kind in ("gguf_package", "gguf_split_package", "gguf_assembler"):
+            first, cached = "not yet", "0"
+        print(f"{alias:<{w}}{here:<6}{first:<12}{cached:<12}{entry.describe_source()}"
+              + (f"  ({entry.note})" if entry.note else ""))
+    from kvprobe.cache_dir import cache_root
+
+    print(f"\nfirst load: seconds the first load took on this machine (assembling the GGUF, dequantizing it to fp32 "
+          f"and saving it in the cache; later loads read that cache); cache disk: what it takes under {cache_root()} "
+          "(set KVPROBE_CACHE to move it). Organisms reuse their base model's cache.")
+    print("Any Hugging Face id (org/name) of a supported architecture also works as --model, and so does a local "
           "model directory (a config.json without weights is refused unless --random-init).")
     return 0
 
