@@ -1,8 +1,9 @@
 """Experiment registry and the run loop shared by every experiment.
 
 An experiment module in ``experiments/`` (imported as ``kvprobe.experiments.<name>``) defines
-``EXPERIMENT = Experiment(...)``: its parameters model, a function that measures one instance (returning a row), and a function that summarizes the rows. The
-runner does everything else: config, model, instances, progress, resume, gate bookkeeping, the record.
+``EXPERIMENT = Experiment(...)``: its parameters model, a function that measures one instance (returning a row),
+and a function that summarizes the rows. The runner does everything else: config, model, instances, progress,
+resume, gate bookkeeping, the record.
 """
 
 from __future__ import annotations
