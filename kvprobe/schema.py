@@ -9,6 +9,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field, ValidationError
 
+from kvprobe.errors import closest
+
 
 def hash_neutral(default: Any, **kwargs: Any) -> Any:
     """A param added after records were written, whose ``default`` reproduces those records' numbers: it enters the
@@ -54,7 +56,8 @@ def format_validation_error(exc: Exception, model: type[BaseModel] | None = None
             key = renames[str(loc[0])] + key[len(str(loc[0])):]
         if err["type"] == "extra_forbidden":
             allowed = _allowed_keys(model, loc) if model is not None else []
-            hint = f" (allowed: {', '.join(allowed)})" if allowed else ""
+            hint = closest(str(loc[-1]), allowed) if loc else ""
+            hint += f" (allowed: {', '.join(allowed)})" if allowed else ""
             lines.append(f"key '{key}' is not a known key{hint}; remove or rename it")
         elif err["type"] == "missing":
             lines.append(f"key '{key}' is required")

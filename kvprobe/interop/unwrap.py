@@ -22,6 +22,7 @@ import copy
 import functools
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeAlias, TypeVar
 
 import torch
@@ -108,11 +109,11 @@ def as_lm(obj: ModelLike, tokenizer: Any = None, name: str | None = None) -> Hoo
     except (KeyError, TypeError):
         pass
     if is_bridge(obj):
-        model, tok, source = hf_view_of_bridge(obj), tokenizer or obj.tokenizer, "transformer_lens bridge"
+        model, tok, source = hf_view_of_bridge(obj), tokenizer or _stock_tokenizer(obj.tokenizer), "transformer_lens bridge"
     elif is_nnsight(obj):
         model, tok, source = obj._module, tokenizer or getattr(obj, "tokenizer", None), "nnsight"
     elif isinstance(obj, torch.nn.Module) and hasattr(obj, "config"):
-        model, tok, source = obj, tokenizer, "transformers model"
+        model, tok, source = obj, tokenizer or _tokenizer_beside(obj), "transformers model"
     else:
         raise KVProbeError(f"kvprobe cannot use a {type(obj).__name__}: pass a LoadedModel, a TransformerLens "
                            "TransformerBridge, an nnsight LanguageModel or a transformers model")
@@ -125,6 +126,37 @@ def as_lm(obj: ModelLike, tokenizer: Any = None, name: str | None = None) -> Hoo
     except TypeError:
         pass
     return lm
+
+
+def _stock_tokenizer(bridge_tokenizer: Any) -> Any:
+    """The stock Hugging Face tokenizer behind a bridge's: TransformerLens reloads it with ``add_bos_token=True``,
+    which would prepend a BOS the native model never sees, so kvprobe reloads it from the same local files (or
+    the HF cache). Falls back to the bridge's own tokenizer when those files are not here."""
+    import logging
+
+    from transformers import AutoTokenizer
+
+    where = str(getattr(bridge_tokenizer, "name_or_path", "") or "")
+    try:
+        return AutoTokenizer.from_pretrained(where, local_files_only=True) if where else bridge_tokenizer
+    except (OSError, ValueError):
+        logging.getLogger(__name__).warning("using the bridge's tokenizer (it prepends BOS); pass as_lm(bridge, "
+                                            "tokenizer) with the model's own tokenizer to match native runs")
+        return bridge_tokenizer
+
+
+def _tokenizer_beside(model: Any) -> Any:
+    """The tokenizer saved with a Hugging Face model loaded from a local directory (None otherwise: pass it to
+    ``as_lm(model, tokenizer)``). Never reaches the hub."""
+    where = str(getattr(model.config, "_name_or_path", "") or "")
+    if not where or not Path(where).is_dir():
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(where, local_files_only=True)
+    except (OSError, ValueError):
+        return None
 
 
 _P = ParamSpec("_P")

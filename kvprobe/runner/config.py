@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvprobe.errors import KVProbeError
+from kvprobe.errors import KVProbeError, closest
 from kvprobe.schema import hash_neutral, hashed_params  # noqa: F401  (also the runner's names)
 from kvprobe.schema import format_validation_error as _format_validation_error
 from kvprobe.models.registry import DEFAULT_MODEL
@@ -126,13 +126,46 @@ def _inclusion_key(data: dict[str, Any], where: Any) -> dict[str, Any]:
     return out
 
 
+def config_names() -> list[str]:
+    """The experiment configs shipped with kvprobe (``configs/<name>.yaml`` in a checkout or the installed package)."""
+    from kvprobe.cache_dir import project_path
+
+    return sorted(p.stem for p in project_path("configs").glob("*.yaml"))
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """A config file as given, else one of kvprobe's configs: ``configs/locality.yaml`` from any directory, or just
+    its name (``locality``). A missing one is an error naming the closest config names."""
+    from kvprobe.cache_dir import project_path
+
+    p = Path(path)
+    if p.is_file():
+        return p
+    if p.suffix not in (".yaml", ".yml") and len(p.parts) == 1:
+        p = Path("configs") / f"{p}.yaml"
+    found = project_path(p)
+    if found.is_file():
+        return found
+    raise KVProbeError(f"config {path} does not exist{closest(Path(path).stem, config_names())}; "
+                       "give a YAML file or one of kvprobe's config names (`ls configs/`)")
+
+
+def read_yaml(path: Path) -> Any:
+    """A YAML file's content; a syntax error becomes one line naming the file, line and column."""
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        what = " ".join(str(x) for x in (getattr(exc, "context", None), getattr(exc, "problem", None)) if x) or str(exc)
+        raise KVProbeError(f"{where}: malformed YAML: {' '.join(what.split())}") from None
+
+
 def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> RunConfig:
     data: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
-        if not p.exists():
-            raise KVProbeError(f"config {p} does not exist (configs/ lists the experiments)")
-        loaded = yaml.safe_load(p.read_text()) or {}
+        p = resolve_config_path(path)
+        loaded = read_yaml(p) or {}
         if not isinstance(loaded, dict):
             raise KVProbeError(f"config {p} must be a YAML mapping of keys")
         data = loaded
