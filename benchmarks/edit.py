@@ -22,6 +22,7 @@ from kvprobe.kv import edit
 from kvprobe.kv.readout import prefill, read_logits
 from kvprobe.models.loading import load_model
 from kvprobe.patching.pairs import prefill_pair
+from kvprobe.patching.ranking import rank_downstream_by_effect
 from kvprobe.tasks.edits import common_prefix_len, erratum_body, erratum_line, hoisted_body, prompt_ids
 from kvprobe.tasks.gated import generate_instances, load_template, tokenize_pair
 
@@ -42,7 +43,7 @@ def main() -> None:
     pair = tokenize_pair(tok, inst, chat)
     pp = prefill_pair(lm, pair)
     e = edit.FieldEdit.from_pair(pp)
-    ranked = edit.rank_downstream_by_effect(lm, pp)
+    ranked = rank_downstream_by_effect(lm, pp)
     line = erratum_line(template, inst, inst.new_value)
     err_old = prompt_ids(tok, inst, erratum_body(template, inst, inst.old_value, [line]), chat)
     err_new = prompt_ids(tok, inst, erratum_body(template, inst, inst.new_value, [line]), chat)

@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 
-from kvprobe.interop import as_lm
 from kvprobe.interop import nnsight as nn_backend
 from kvprobe.interop import tl as tl_backend
 from kvprobe.kv.readout import read_logits

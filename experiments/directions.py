@@ -326,15 +326,23 @@ EXPERIMENT = Experiment(name="directions", doc=__doc__, params=Params, run_insta
                                         "random 0.00 of full 0.61; Mistral 0.07 of 0.36 (App. D (2), polarity task)",
                                "polarity": "dom direction on the aggregator residual recovers 0.22-0.23 at Llama "
                                            "L12-14, ~39% of the full single-site patch, random 1-D 0.01 (App. D (2))"},
-                        # The direction is fit on the training families, so its per-pair effects exist only once
-                        # every row does: the summary's row_measures carry them to the claims (claim_site()).
                         claims=tuple(c for stem in ("gated", "polarity") for c in (
                             Claim("dom_vs_random", "the dom direction at the note residual recovers more than a "
-                                  "random direction (held-out pairs, paired)", "0.22-0.23 vs 0.01 (App. D (2), "
-                                  "polarity task)", "greater", "held_out_site.dom", "held_out_site.random",
-                                  paper_value=0.21, template=stem),
-                            near("dom_in_range", "the dom direction at the note residual recovers in the paper's "
-                                 "range (held-out pairs)", "0.22-0.23 (Llama L12-14, App. D (2), polarity task)",
-                                 "held_out_site.dom", 0.225, 0.225, template=stem, paper_range=(0.22, 0.23)),
-                            near("random_zero", "a random direction at the same site recovers ~0", "0.01 (App. D (2))",
-                                 "held_out_site.random", 0.0, 0.01, template=stem))))
+                                  "random direction (held-out pairs, paired)", "0.22-0.23 vs 0.01 (Llama-3.1-8B "
+                                  "L12-14, polarity task); a random 1-D direction moves ~1/d of the difference by "
+                                  "geometry, so this control can hardly fail", "greater", "held_out_site.dom",
+                                  "held_out_site.random", paper_value=0.21, template=stem, role="control",
+                                  location="App. D (2), Tab. 5", paper_n="9 instances per model (released records)"),
+                            # The paper's scale-free quantity: our absolute recovery patches 2 notes, the paper's
+                            # one aggregator, so only the share of the full-site patch is comparable.
+                            near("dom_share_in_range", "the dom direction recovers the paper's share of the "
+                                 "full-site patch (held-out pairs)", "share of the full single-site patch 0.39 "
+                                 "(Llama-3.1-8B L12; 0.32 at L14), 0.17 (Gemma-2-9B), 0.18 (Mistral-7B); Qwen3-8B ~0 "
+                                 "(over-committed, left out of the range); polarity task; +-0.1 is kvprobe's margin",
+                                 "held_out_site.dom / held_out_site.full", 0.28, 0.28, template=stem,
+                                 paper_range=(0.17, 0.39), role="effect", location="App. D (2), Tab. 5",
+                                 paper_n="9 instances per model (released records; App. D's intro says 12)"),
+                            near("random_zero", "a random direction at the same site recovers ~0",
+                                 "0.01 (Llama-3.1-8B), 0.00 (Gemma-2 / Mistral); polarity task; +-0.1 is kvprobe's "
+                                 "margin", "held_out_site.random", 0.0, 0.01, template=stem, role="control",
+                                 location="App. D (2)"))))

@@ -52,9 +52,15 @@ EXPERIMENT = Experiment(name="dissociation", doc=__doc__, run_instance=run_insta
                                                                         "notes": "notes"}),
                         paper={"polarity": "trigger-only -0.007 to +0.007 vs notes 0.998-1.009 (Tab. 4 left)"},
                         claims=(near("trigger_only_zero", "trigger-only recovery ~ 0 (field held identical)",
-                                     "-0.007 to +0.007 (Tab. 4)", "trigger_only", 0.0, 0.0, template="polarity",
-                                     paper_range=(-0.007, 0.007)),
-                                near("notes_one", "notes recovery ~ 1 (field held identical)", "0.998-1.009 (Tab. 4)",
-                                     "notes", 1.0, 1.0035, template="polarity", paper_range=(0.998, 1.009)),
+                                     "-0.007 / -0.007 / +0.007 (Qwen3-8B / 4B / Llama-3.1-8B); +-0.1 is kvprobe's "
+                                     "margin", "trigger_only", 0.0, 0.0, template="polarity",
+                                     paper_range=(-0.007, 0.007), role="effect", location="Tab. 4 (left)",
+                                     paper_n="36 per model (18 on Gemma-2 / Mistral, Tab. 3)"),
+                                near("notes_one", "notes recovery ~ 1 (field held identical)",
+                                     "1.004 / 1.009 / 0.998 (Qwen3-8B / 4B / Llama-3.1-8B); +-0.1 is kvprobe's margin",
+                                     "notes", 1.0, 1.0035, template="polarity", paper_range=(0.998, 1.009),
+                                     role="effect", location="Tab. 4 (left)",
+                                     paper_n="36 per model (18 on Gemma-2 / Mistral, Tab. 3)"),
                                 Claim("trigger_and_notes_one", "trigger+notes = oracle", "1 (construction)",
-                                      "identity", "trigger_and_notes", paper_value=1.0, template="polarity")))
+                                      "identity", "trigger_and_notes", paper_value=1.0, template="polarity",
+                                      role="control", location="Tab. 4 (left), by construction")))

@@ -22,7 +22,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kvprobe.claims import ACCURACY_MARGIN, Claim
+from kvprobe.claims import Claim
 from kvprobe.kv import edit
 from kvprobe.kv.readout import prefill
 from kvprobe.probes.edit_summary import (base_row, edit_case, edit_gate_summary, format_methods_table,
@@ -88,13 +88,24 @@ def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
 EXPERIMENT = Experiment(name="edit_wording", doc=__doc__, params=Params, run_instance=run_instance,
                         summarize=summarize_rows, table=lambda s: format_methods_table(s, list(s["methods"])),
                         headline=lambda s: methods_headline(s),
-                        paper={"gated": "P(safe): bare value, tagged update, explicit override ~1.0; aggressive "
-                                        "0.81 (Fig. 3d)"},
-                        claims=(*(Claim(f"{w}_correct", f"erratum ({w.replace('_', ' ')}) P(correct) ~ 1",
-                                        "~1.0 P(safe) (Fig. 3d; TOST margin 0.03, App. H)", "at_least",
-                                        f"methods.erratum/{w}.correct", paper_value=1.0, bound=1 - ACCURACY_MARGIN)
-                                  for w in ("bare_value", "tagged_update", "explicit_override")),
-                                Claim("override_vs_aggressive", "explicit override beats the aggressive \"re-evaluate\" "
-                                      "wording P(correct) (paired)", "~1.0 vs 0.81 (Fig. 3d)", "greater",
-                                      "methods.erratum/explicit_override.correct", "methods.erratum/aggressive.correct",
-                                      paper_value=0.19)))
+                        paper={"gated": "P(safe), wording added to a context already holding the new value, "
+                                        "after a chain (Qwen3-8B, n = 36): bare value 1.00, tagged update 1.00, explicit "
+                                        "override 0.97, aggressive 0.81 (Sec. 3, Fig. 3d); no number for an erratum "
+                                        "over a stale cache"},
+                        # Fig. 3d appends the wording to a context that already holds the new value, read after a chain (Qwen3-8B,
+                        # thinking on, n = 36); kvprobe appends it as an erratum over a stale cache and reads
+                        # directly. The paper has no number for that condition: these rows are described only.
+                        claims=(*(Claim(f"{w}_correct", f"erratum ({w.replace('_', ' ')}) over a stale cache: "
+                                        "P(correct) (described)", f"no paper number for an erratum over a stale cache; "
+                                        f"Fig. 3d (wording added to a context already holding the new value, after a "
+                                        f"chain, Qwen3-8B): {paper}", "describe", f"methods.erratum/{w}.correct",
+                                        role="effect", location="Sec. 3, Fig. 3d", paper_n="36 (Fig. 3d)")
+                                  for w, paper in (("bare_value", "1.00"), ("tagged_update", "1.00"),
+                                                   ("explicit_override", "0.97 (35/36)"))),
+                                Claim("override_vs_aggressive", "explicit override minus the aggressive \"re-evaluate\" "
+                                      "wording, P(correct) over a stale cache (described)", "no paper number for an "
+                                      "erratum over a stale cache; Fig. 3d: 0.97 vs 0.81, a gap of ~0.17 (the "
+                                      "released aggressive line voids earlier conclusions without stating the value)",
+                                      "describe", "methods.erratum/explicit_override.correct",
+                                      "methods.erratum/aggressive.correct", role="effect", location="Sec. 3, Fig. 3d",
+                                      paper_n="36 (Fig. 3d)")))

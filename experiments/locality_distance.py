@@ -1,7 +1,8 @@
 """Locality against distance and prompt format: when does a model read the field directly, and when its notes?
 
 The paper measures one point of this curve (Section 3 probe (1), Figure 3a: field-only recovery -0.028 on
-Llama-3.1-8B, the field 544+ tokens upstream in one template). Here the field-to-decision distance and the
+Llama-3.1-8B, one template; the released prompts place the field about 725 tokens before the decision).
+Here the field-to-decision distance and the
 prompt format are swept with the procedural scenario generator (:mod:`kvprobe.tasks.generator`): for each
 (format, distance) cell, the same families (paired across cells) are rendered with neutral note lines
 filling the gap, the real token distance is measured with the model's tokenizer, and each instance gets
@@ -170,5 +171,6 @@ def headline(summary: dict[str, Any]) -> str:
 
 EXPERIMENT = Experiment(name="locality_distance", doc=__doc__, params=Params, run_instance=run_instance,
                         summarize=summarize, make_instances=make_instances, table=table, headline=headline,
-                        paper={"scenario_words": "one point: field-only -0.028 at 544+ tokens, one template "
-                                                 "(Llama-3.1-8B, Fig. 3a)"})
+                        paper={"scenario_words": "one point: field-only -0.028, one template, the field "
+                                                 "~725 tokens before the decision in the released prompts "
+                                                 "(Llama-3.1-8B, Sec. 3 (1), Fig. 3a)"})

@@ -30,7 +30,7 @@ from kvprobe.kv.readout import prefill, read_logits
 from kvprobe.metrics import logit_cosine, logit_diff
 from kvprobe.probes.edit_summary import base_row, edit_case, edit_gate_summary
 from kvprobe.probes.summary import ci_cell, summarize_column
-from kvprobe.claims import ACCURACY_MARGIN, near
+from kvprobe.claims import ACCURACY_MARGIN, Claim, near
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.tasks.edits import decision_char, erratum_body, erratum_line, prompt_ids, prompt_text, split_prompt_at
 
@@ -157,13 +157,33 @@ def headline(s: dict[str, Any]) -> str:
 
 EXPERIMENT = Experiment(name="long_horizon", doc=__doc__, needs_template=True, params=Params, run_instance=run_instance,
                         summarize=summarize_rows, table=table, headline=headline,
-                        paper={"gated": "28 turns: cosine 0.987-0.999, flat (Llama 0.992 -> 0.996); agreement "
-                                        "0.79-0.99; slope within +-0.01/turn (Fig. 23)"},
-                        # Per instance, averaged over its turns (the ``*`` step), so turns of one conversation are
-                        # not counted as independent; the slope is a summary-level number and is not tested here.
-                        claims=(near("cosine_high", "the edited cache's next-token logits stay close to the "
-                                     "reference over turns", "cosine 0.987-0.999 over 28 turns (Fig. 23)",
-                                     "turns.*.cosine", 0.993, 0.993, margin=0.01, paper_range=(0.987, 0.999)),
-                                near("agreement_in_range", "the edited cache decides as the reference over turns",
-                                     "agreement 0.79-0.99 (Fig. 23)", "turns.*.agree", 0.89, 0.89,
-                                     margin=ACCURACY_MARGIN, paper_range=(0.79, 0.99))))
+                        paper={"gated": "28 turns appended to a persistent cache vs a full prefill of the same "
+                                        "text (no stale KV: kvprobe's erratum scheme): cosine 0.987-0.999, flat (Llama "
+                                        "0.992 -> 0.996); agreement 0.79-0.99; slope within +-0.01/turn (App. G, Fig. "
+                                        "23); no counterpart for field_erratum"},
+                        # Per instance, averaged over its turns (the ``*`` step), so turns of one conversation are not counted as
+                        # independent. The paper's App. G design only appends turns and errata to a persistent cache
+                        # and compares it with a full prefill of the same text: no KV is ever stale, so its numbers
+                        # are a numerical and tokenization floor. That is kvprobe's ``erratum`` scheme; for
+                        # ``field_erratum`` (stale notes) the paper has no counterpart.
+                        claims=(near("cosine_high", "the appended cache's next-token logits stay close to the "
+                                     "reference over turns (a numerical floor)", "cosine 0.987-0.999 (3 models x "
+                                     "periods 1 / 6, append-only design: no stale KV); +-0.01 is kvprobe's margin",
+                                     "turns.*.cosine", 0.993, 0.993, margin=0.01, paper_range=(0.987, 0.999),
+                                     role="control", location="App. G, Fig. 23", params=(("scheme", "erratum"),)),
+                                near("agreement_in_range", "the appended cache decides as the reference over turns",
+                                     "agreement 0.79-0.99 (3 models x periods 1 / 6, append-only design: no stale "
+                                     "KV); +-0.03 is kvprobe's margin", "turns.*.agree", 0.89, 0.89,
+                                     margin=ACCURACY_MARGIN, paper_range=(0.79, 0.99), role="effect",
+                                     location="App. G, Fig. 23", paper_n="28 turns x 3 models x 2 periods",
+                                     params=(("scheme", "erratum"),)),
+                                near("no_compounding_drift", "agreement does not drift over turns (slope per turn "
+                                     "~ 0)", "slope within +-0.01 per turn, flat first -> last third (append-only "
+                                     "design)", "turns.@slope.agree", 0.0, 0.0, margin=0.0, paper_range=(-0.01, 0.01),
+                                     role="effect", location="App. G, Fig. 23", paper_n="28 turns x 3 models x 2 "
+                                     "periods", params=(("scheme", "erratum"),)),
+                                Claim("agreement_field_erratum", "with the field refreshed in place + an erratum "
+                                      "(stale notes), the cache decides as the reference over turns (described)",
+                                      "no paper counterpart: the paper's long-horizon design has no stale KV",
+                                      "describe", "turns.*.agree", role="effect", location="App. G (no counterpart)",
+                                      paper_n="none", params=(("scheme", "field_erratum"),))))

@@ -72,8 +72,13 @@ EXPERIMENT = Experiment(name="specificity", doc=__doc__, params=Params, run_inst
                                                                           for k in keys(s["ks"])}),
                         paper={"gated": "top-8 0.74-0.79 vs rand-8 <= 0.035; top-16 0.86-0.92 vs rand-16 0.04-0.06 "
                                         "(Tab. 4)"},
+                        # The paper's specificity control; top-k is ranked on the instances it is scored on, so beating random-k is
+                        # largely by selection: controls, not effects.
                         claims=(Claim("top8_vs_rand8", "top-8 beats random-8 positions (paired)",
-                                      "0.74-0.79 vs <= 0.035 (Tab. 4)", "greater", "top8", "rand8", paper_value=0.75),
+                                      "0.78/0.74/0.79 vs 0.009/0.035/0.005 (Qwen3-8B/4B, Llama-3.1-8B)", "greater",
+                                      "top8", "rand8", paper_value=0.75, role="control",
+                                      location="App. C (iii), Tab. 4 (right)", paper_n="9 per model"),
                                 Claim("top16_vs_rand16", "top-16 beats random-16 positions (paired)",
-                                      "0.86-0.92 vs 0.04-0.06 (Tab. 4)", "greater", "top16", "rand16",
-                                      paper_value=0.83)))
+                                      "0.92/0.86/0.86 vs 0.06/0.04/0.04 (Qwen3-8B/4B, Llama-3.1-8B)", "greater",
+                                      "top16", "rand16", paper_value=0.83, role="control",
+                                      location="App. C (iii), Tab. 4 (right)", paper_n="9 per model")))

@@ -22,7 +22,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvprobe.claims import near
+from kvprobe.claims import Claim
 from kvprobe.metrics import logit_diff
 from kvprobe.patching.residuals import commit_layer, logit_lens, relative_depth
 from kvprobe.runner.experiment import Context, Experiment
@@ -106,10 +106,13 @@ EXPERIMENT = Experiment(name="timing", doc=__doc__, params=Params, run_instance=
                         summarize=summarize_rows, make_instances=polarity_instances, table=table, headline=headline,
                         paper={"polarity": "write depth 0.31-0.39 vs commit depth 0.73-0.77 (Qwen3, Llama); "
                                            "0.19-0.26 vs 0.47-0.48 (Gemma-2, Mistral)"},
-                        # Only the commit depth is per instance; the write depth is one group-CV probe fit over all
-                        # instances (a summary quantity), so "written before committed" is not a row claim. The
-                        # paper states no margin for depths: +-0.1 of depth (3 of 30 layers at 135M) is ours.
-                        claims=(near("commit_depth_in_range", "decision commit depth within the paper's range",
-                                     "0.73-0.77 (Qwen3-8B/4B, Llama-3.1-8B; App. C (ii)); 0.47-0.48 (Gemma-2-9B, "
-                                     "Mistral-7B; Tab. 3)", "commit_depth", 0.62, 0.62, margin=0.1,
-                                     template="polarity", paper_range=(0.47, 0.77)),))
+                        # The paper's claim is the ordering: the note is written before the decision commits. The write depth is one
+                        # group-CV probe fit over all instances (the summary's ``write_depth``), so the test is each
+                        # instance's commit depth against it (one-sided, on cluster means).
+                        claims=(Claim("write_before_commit", "the note is written before the decision commits: "
+                                      "commit depth minus write depth > 0", "write 0.31-0.39 vs commit 0.73-0.77 "
+                                      "(Qwen3-8B/4B, Llama-3.1-8B); 0.19-0.26 vs 0.47-0.48 (Gemma-2-9B, Mistral-7B); "
+                                      "smallest gap 0.22", "greater", "commit_depth", "summary.write_depth",
+                                      paper_value=0.22, template="polarity", role="effect",
+                                      location="App. C (ii), Tab. 3", paper_n="66 / 54 / 48 (Qwen3-8B / 4B, Llama; "
+                                      "released records)"),))

@@ -22,9 +22,13 @@ def cache_root() -> Path:
 
 def project_path(path: str | Path) -> Path:
     """A relative path as given if it exists from the working directory, else relative to the kvprobe checkout
-    (so `configs/...` works from any directory of an editable install)."""
+    (so `configs/...` works from any directory of an editable install), else inside the installed package
+    (a wheel ships ``configs/`` as ``kvprobe/configs/``)."""
     p = Path(path)
     if p.is_absolute() or p.exists():
         return p
-    candidate = Path(__file__).resolve().parents[1] / p
-    return candidate if candidate.exists() else p
+    package = Path(__file__).resolve().parent
+    candidates = [package.parent / p]
+    if p.parts and p.parts[0] == "configs":
+        candidates.append(package / p)
+    return next((c for c in candidates if c.exists()), p)

@@ -6,7 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvprobe.claims import Claim, claims_rows, evaluate, markdown, near, verdict
+import json
+import re
+
+from kvprobe.claims import Claim, claims_rows, evaluate, headline, markdown, near, verdict
 from kvprobe.probes.summary import ci_cell, gate_summary, recovery_summary
 
 RNG = np.random.default_rng(0)
@@ -33,10 +36,14 @@ def test_equivalence_reproduced_not_reproduced_and_underpowered():
     assert tight["p"] < 1e-6 and verdict(tight) == "reproduced"
     off = evaluate(claim, _record("e", _rows(40, x=RNG.normal(0.6, 0.05, 40))))
     off["q"] = off["p"]
-    assert verdict(off).startswith("not reproduced")
+    assert verdict(off) == "outside the paper's range"
     noisy = evaluate(claim, _record("e", _rows(6, x=RNG.normal(0.0, 0.3, 6))))
     noisy["q"] = noisy["p"]
-    assert noisy["n_needed"] > 6 and verdict(noisy).startswith("not measurable (underpowered")
+    assert noisy["n_needed"] > 6 and verdict(noisy) == "not measurable (n 6 < 10)"
+    wide = evaluate(claim, _record("e", _rows(12, x=RNG.normal(0.08, 0.1, 12))))
+    wide["q"] = wide["p"]
+    assert verdict(wide).startswith("inconclusive (CI straddles a bound") and "needed" in verdict(wide)
+    assert wide["power_paper"] is not None and wide["power_ours"] is not None
 
 
 def test_empty_inclusion_filter_and_identity_are_labelled_not_tested():
@@ -85,7 +92,8 @@ def test_rate_claims_are_exact_and_zero_of_twelve_is_not_reproduced():
     agree = evaluate(Claim("s", "agree", "1.00", "at_least", "agree", paper_value=1.0, bound=0.97, gated=False),
                      _record("t", _rows(12, agree=1.0)))  # stored as floats 0/1
     agree["q"] = agree["p"]
-    assert agree["ours"]["k"] == 12 and verdict(agree).startswith("not measurable (underpowered: n 12 < 99")
+    assert agree["ours"]["k"] == 12 and verdict(agree).startswith("inconclusive (CI straddles the bound")
+    assert agree["n_needed_paper"] == 99 and agree["power_paper"] == 0.0
 
 
 def test_claims_rows_apply_bh_across_claims_and_read_the_newest_record(monkeypatch):
@@ -112,7 +120,7 @@ def test_claims_rows_apply_bh_across_claims_and_read_the_newest_record(monkeypat
     assert [r["q"] for r in rows] == pytest.approx(q)
     assert rows[0]["verdict"] == "reproduced" and rows[0]["schema_version"] == 2
     table = markdown(rows)
-    assert table.count("\n") == 3 and "BH q" in table
+    assert table.count("\n| ") == 3 and "BH q" in table and "Controls" in table  # role None: not an effect
 
 
 def test_every_declared_claim_names_a_kind_and_identities_are_labelled():
@@ -120,13 +128,21 @@ def test_every_declared_claim_names_a_kind_and_identities_are_labelled():
 
     locality = get_experiment("locality").claims
     kinds = {c.key: c.kind for c in locality if c.template == "gated"}
-    assert kinds == {"field_only_zero": "equivalent", "full_downstream_one": "identity", "oracle_one": "identity"}
+    assert kinds == {"field_only_zero": "equivalent", "field_only_under_1pct": "equivalent",
+                     "full_downstream_one": "identity", "oracle_one": "identity"}
     for name in available_experiments():
         claims = get_experiment(name).claims
         # one row per (claim, template, model) in the table: a key is declared once per template
         assert len({(c.key, c.template) for c in claims}) == len(claims), name
         for c in claims:
-            assert c.kind in ("equivalent", "greater", "at_least", "agrees", "identity") and c.paper
+            assert c.kind in ("equivalent", "greater", "at_least", "agrees", "identity", "describe") and c.paper
+            # every claim names its role and where in the paper it comes from; every effect the paper's n
+            assert c.role in ("effect", "control"), (name, c.key)
+            assert re.search(r"(Sec\.|App\.|Fig\.|Tab\.|Abstract|construction|definition)", c.location), (name, c.key)
+            assert c.role != "effect" or c.paper_n, (name, c.key)
+            assert c.kind != "identity" or c.role == "control", (name, c.key)
+            # kvprobe's own margins are named as kvprobe's, never attributed to the paper
+            assert "TOST margin 0.03" not in c.paper, (name, c.key)
             assert c.kind != "equivalent" or c.bounds[0] < c.bounds[1]
             assert c.kind not in ("at_least", "agrees") or (c.bound is not None and 0 < c.bound < 1)
             assert c.kind not in ("greater", "agrees") or c.b is not None, (name, c.key)
@@ -136,7 +152,7 @@ def test_every_declared_claim_names_a_kind_and_identities_are_labelled():
 # Experiments whose claims must be checkable on committed records (each has records for its claims' templates).
 WITH_RECORDS = ("locality", "suffix", "specificity", "knockout", "dissociation", "edit_frontier", "transplant",
                 "edit_cot", "edit_wording", "writability", "timing", "heads", "scrubbing", "long_horizon", "directions",
-                "sae")
+                "sae", "write_share")
 
 
 @pytest.mark.parametrize("name", WITH_RECORDS)
@@ -149,19 +165,23 @@ def test_declared_claim_paths_resolve_on_committed_records(name):
     from kvprobe.runner.experiment import get_experiment
     from kvprobe.runner.records import load_records
 
+    from kvprobe.claims import _applies, resolve
+
     records = load_records(Path(__file__).parents[1] / "results", name)
-    by_template = {}
-    for rec in records:
-        by_template.setdefault(_template_stem(rec), []).extend(claim_rows(rec))
     claims = get_experiment(name).claims
     assert claims, f"{name} declares no claims"
     checked = 0
     for c in claims:
-        rows = by_template.get(c.template)
-        if rows is None:  # no committed record of this template (e.g. locality's off-template variants)
+        recs = [r for r in records if (_template_stem(r).startswith("generated_") and c.template == "gated"
+                                       or _template_stem(r) == c.template) and _applies(c, r)]
+        if not recs:  # no committed record of this template or variant (e.g. long_horizon's erratum scheme)
             continue
         for path in (c.a, c.b) if isinstance(c.b, str) else (c.a,):
-            assert any(get(r, path) is not None for r in rows), f"{name}.{c.key}: '{path}' resolves on no row"
+            if path.startswith("summary."):
+                assert any(get(r.get("summary") or {}, path[len("summary."):]) is not None for r in recs), path
+                continue
+            assert any(get(row, resolve(path, r)) is not None for r in recs for row in claim_rows(r)), \
+                f"{name}.{c.key}: '{path}' resolves on no row"
         checked += 1
     assert checked, f"no committed {name} record of any claim's template"
 
@@ -191,19 +211,56 @@ def test_claims_figure_renders(tmp_path, monkeypatch):
     from kvprobe.runner import experiment as experiment_module
 
     class Fake:
-        claims = (near("z", "x ~ 0", "0", "x", 0.0, 0.0),)
+        claims = (near("z", "x ~ 0", "0", "x", 0.0, 0.0, role="effect"), near("y", "y ~ 0", "0", "y", 0.0, 0.0,
+                                                                           role="control"))
 
     monkeypatch.setattr(experiment_module, "available_experiments", lambda: {"fake": "fake"})
     monkeypatch.setattr(experiment_module, "get_experiment", lambda name: Fake())
-    fig_claims([_record("fake", _rows(10, x=RNG.normal(0, 0.02, 10)))], tmp_path / "c.png")
+    fig_claims([_record("fake", _rows(10, x=RNG.normal(0, 0.02, 10), y=RNG.normal(0.5, 0.02, 10)))],
+               tmp_path / "c.png")
     assert (tmp_path / "c.png").stat().st_size > 5000
 
 
-def test_a_null_from_a_handful_of_instances_is_not_a_powered_negative():
-    row = {"status": "tested", "q": 0.2, "n": 3, "n_needed": 3, "kind": "equivalent", "bounds": (-0.1, 0.1),
-           "ours": {"ci_low": -0.05, "ci_high": 0.08}, "notes": []}
-    assert verdict(row) == "not measurable (underpowered: n 3 < 10 needed)"
-    assert verdict({**row, "n": 12}) == "not reproduced (n 12 >= 3 needed)"
+def test_no_verdict_below_ten_instances_or_five_clusters_and_the_shown_interval_decides():
+    row = {"status": "tested", "q": 0.001, "n": 3, "n_clusters": 3, "n_units": 3, "kind": "equivalent",
+           "bounds": (-0.1, 0.1), "ours": {"ci_low": -0.05, "ci_high": 0.08}, "notes": []}
+    assert verdict(row) == "not measurable (n 3 < 10)"
+    assert verdict({**row, "n": 40, "n_clusters": 4}) == "not measurable (too few clusters: 4 < 5)"
+    ok = {**row, "n": 40, "n_clusters": 8, "n_units": 8}
+    assert verdict(ok) == "reproduced"
+    # significant TOST but the shown 95% interval crosses a bound: not reproduced, inconclusive
+    assert verdict({**ok, "ours": {"ci_low": 0.05, "ci_high": 0.12}}).startswith("inconclusive (CI straddles")
+    assert verdict({**ok, "q": 0.2}).startswith("inconclusive (CI inside the bounds")
+    assert verdict({**ok, "ours": {"ci_low": 0.15, "ci_high": 0.3}}) == "outside the paper's range"
+    greater = {**ok, "kind": "greater", "mean_diff": 0.3, "ours": {"ci_low": -0.01, "ci_high": 0.6},
+               "power_paper": 0.95, "n_needed_paper": 6}
+    assert verdict(greater).startswith("not reproduced (CI includes zero although power 0.95")
+    assert verdict({**greater, "n_needed_paper": 60}).startswith("inconclusive (CI includes zero")
+    assert verdict({**greater, "ours": {"ci_low": 0.1, "ci_high": 0.6}}) == "reproduced"
+
+
+def test_clustered_instances_are_tested_on_cluster_means():
+    """24 instances in 6 scenarios: the TOST, t and McNemar run with the scenario as the unit."""
+    vals = np.repeat(RNG.normal(0.0, 0.03, 6), 4) + RNG.normal(0, 0.01, 24)
+    rows = _rows(24, scenarios=6, x=vals, top=vals + 0.5 + RNG.normal(0, 0.05, 24), rand=vals,
+                 e=[bool(i % 6 < 5) for i in range(24)], i=False)
+    rec = _record("e", rows)
+    tost = evaluate(near("z", "x ~ 0", "0", "x", 0.0, 0.0), rec)
+    assert tost["unit"] == "cluster" and tost["n_units"] == 6 and "cluster means" in tost["test"]
+    from kvprobe.stats import cluster_means, tost_paired
+
+    _, means = cluster_means(vals, [r["scenario"] for r in rows])
+    assert tost["p"] == pytest.approx(tost_paired(means, [0.0] * 6, -0.1, 0.1)["p"])
+    t = evaluate(Claim("g", "top > rand", "0.5", "greater", "top", "rand", paper_value=0.5), rec)
+    assert "cluster means" in t["test"] and t["n_units"] == 6
+    sign = evaluate(Claim("m", "e > i", "1 vs 0", "greater", "e", "i", paper_value=1.0), rec)
+    assert sign["test"].startswith("exact sign test over clusters") and sign["p"] == pytest.approx(2 * 0.5 ** 5)
+    rate = evaluate(Claim("r", "e", "1", "at_least", "e", paper_value=1.0, bound=0.5), rec)
+    assert rate["k_units"] == 5 and "over clusters" in rate["test"]  # 5 clusters all true, 1 all false
+    few = evaluate(near("z", "x ~ 0", "0", "x", 0.0, 0.0), _record("e", _rows(24, scenarios=3, x=vals)))
+    assert few["ours"]["ci_low"] is None and "too few clusters" in few["ours"]["ci_note"]
+    few["q"] = few["p"]
+    assert verdict(few) == "not measurable (too few clusters: 3 < 5)"
 
 
 def test_star_step_averages_a_list_per_instance():
@@ -230,3 +287,77 @@ def test_summary_row_measures_reach_the_claims_by_index():
                          paper_value=0.21), rec)
     assert res["n"] == 12 and res["status"] == "tested" and res["p"] < 1e-6
     assert abs(res["ours"]["mean"] - np.mean([v["dom"] - v["random"] for v in held.values()])) < 1e-12
+
+
+def test_headline_counts_effects_only_and_bh_runs_within_each_role(monkeypatch):
+    from kvprobe.runner import experiment as experiment_module
+
+    class Fake:
+        claims = (near("z", "x ~ 0", "0", "x", 0.0, 0.0, role="effect", location="Sec. 3", paper_n="12"),
+                  near("y", "y ~ 0", "0", "y", 0.0, 0.0, role="control", location="App. D"),
+                  Claim("d", "described", "no number", "describe", "x", role="effect", location="Fig. 3d",
+                        paper_n="36"))
+
+    monkeypatch.setattr(experiment_module, "available_experiments", lambda: {"fake": "fake"})
+    monkeypatch.setattr(experiment_module, "get_experiment", lambda name: Fake())
+    rec = _record("fake", _rows(30, x=RNG.normal(0.0, 0.02, 30), y=RNG.normal(0.0, 0.02, 30)), model="smollm2-135m")
+    rows = claims_rows([rec])
+    assert [r["role"] for r in rows] == ["effect", "control", "effect"]
+    assert rows[0]["q"] == pytest.approx(rows[0]["p"]) and rows[1]["q"] == pytest.approx(rows[1]["p"])  # own family
+    assert rows[2]["verdict"] == "no paper number (described only)" and rows[2]["q"] is None
+    h = headline(rows)["smollm2-135m"]
+    assert h["effects"] == 1 and h["reproduced"] == 1 and h["text"].endswith("1 of 1 paper effects reproduced")
+    assert rows[0]["lineage"] == "smollm2-135m" and rows[0]["lineage_root"] == "smollm2-135m"
+    table = markdown(rows)
+    assert table.index("Paper effects") < table.index("Controls")
+
+
+def test_lineage_follows_the_cards_init_from_chain():
+    from kvprobe.organism.lineage import lineage, lineage_root
+
+    chain = lineage("smollm2-135m-gated-v3n2-seed2")
+    assert chain[0] == "smollm2-135m" and chain[-1] == "smollm2-135m-gated-v3n2-seed2"
+    assert "smollm2-135m-gated-v2" in chain and "smollm2-135m-gated-v3n-seed2" in chain
+    assert lineage_root("smollm2-135m-gated-v3n2-seed2") == "smollm2-135m-gated"
+    assert lineage("qwen2.5-coder-0.5b-gated-v3-cal2")[-2] == "qwen2.5-coder-0.5b-gated-v3-cal"
+    assert lineage("smollm2-135m") == ["smollm2-135m"] and lineage_root("smollm2-135m") == "smollm2-135m"
+
+
+def test_claims_file_is_byte_identical_when_regenerated(tmp_path):
+    """``make claims`` on a clean tree rewrites claims.json byte for byte (fixed seeds, stable float digits)."""
+    import shutil
+    from pathlib import Path
+
+    from kvprobe.claims import write_claims
+
+    results = Path(__file__).parents[1] / "results"
+    for exp in ("locality", "timing", "knockout"):
+        for rec in sorted((results / exp).glob("smollm2-135m-gated-v3n2-seed2/*.json"))[:2]:
+            dest = tmp_path / "results" / exp / rec.parent.name
+            dest.mkdir(parents=True, exist_ok=True)
+            shutil.copy(rec, dest / rec.name)
+    first, rows = write_claims(tmp_path / "results", tmp_path / "a.json")
+    second, _ = write_claims(tmp_path / "results", tmp_path / "b.json")
+    assert rows and first.read_bytes() == second.read_bytes()
+    doc = json.loads(first.read_text())
+    assert set(doc) >= {"headline", "lineage", "lineages", "declarations", "claims"}
+    assert all("role" in r and r["model"] in doc["lineages"] and r["id"] in doc["declarations"] for r in doc["claims"])
+    assert all("n" in r["ours"] and "n_clusters" in r["ours"] for r in doc["claims"] if r["ours"])
+
+
+def test_float_agreement_pairs_are_tested_as_booleans_and_summary_constants_as_differences():
+    rows = _rows(12, rot=1.0, norot=1.0, commit=RNG.normal(0.75, 0.05, 12))
+    same = evaluate(Claim("r", "rotated > unrotated", "0.78 vs 0.18", "greater", "rot", "norot", paper_value=0.6),
+                    _record("t", rows))
+    same["q"] = same["p"]
+    assert same["test"].startswith("McNemar") and same["p"] == 1.0
+    assert verdict(same) == "not reproduced (CI at or below zero)"  # no instance differs although n = 12
+    rec = _record("timing", rows)
+    rec["summary"] = {"write_depth": 0.35}
+    gap = evaluate(Claim("w", "write before commit", "0.38", "greater", "commit", "summary.write_depth",
+                         paper_value=0.22), rec)
+    assert gap["b_value"] == 0.35 and gap["ours"]["mean"] == pytest.approx(np.mean([r["commit"] for r in rows]) - 0.35)
+    gap["q"] = gap["p"]
+    assert verdict(gap) == "reproduced"
+    rec["summary"] = {}
+    assert evaluate(Claim("w", "x", "x", "greater", "commit", "summary.write_depth"), rec)["status"] == "empty"

@@ -67,7 +67,7 @@ def test_transplant_cli_end_to_end(tiny_text_dir, tmp_path):
 def test_transplant_agreement_by_direction_separates_a_default_action():
     """A spliced cache that takes one action whatever the field says agrees only in one direction; the split
     and Fisher's test show it, and balanced agreement gives p = 1."""
-    from experiments.transplant import agreement_by_direction
+    from kvprobe.experiments.transplant import agreement_by_direction
 
     rows = [{"scenario": f"s{i}", "direction": d, "seam0_agree": float(a)}
             for i, (d, a) in enumerate([("allow_to_block", 0)] * 9 + [("allow_to_block", 1)]

@@ -7,6 +7,7 @@ model's modules in place, so the session's shared tiny models must never be wrap
 import pytest
 import torch
 
+import kvprobe
 from kvprobe.errors import KVProbeError
 from kvprobe.interop import as_lm
 from kvprobe.interop import kv as ikv
@@ -114,9 +115,9 @@ def test_kv_cells_agree_across_backends(backends):
     for one in (itl.KVCellPatcher(bridge, old, new[:ctx], ctx).logits([4]),
                 inn.KVCellPatcher(nn_model, as_lm(nn_model), old, new[:ctx], ctx).logits([4])):
         assert one.untyped_storage().nbytes() == vocab_bytes
-    # kvprobe functions take the peers' objects directly
+    # kvprobe's public functions take the peers' objects directly (converted at that boundary)
     view = as_lm(bridge)
-    via_bridge = kv_sweep(bridge, prefill(view, old[:ctx]), prefill(view, new[:ctx]), cells, old[ctx:].tolist())
+    via_bridge = kvprobe.kv_sweep(bridge, prefill(view, old[:ctx]), prefill(view, new[:ctx]), cells, old[ctx:].tolist())
     assert (via_bridge - ref).abs().max() < TOL
 
 

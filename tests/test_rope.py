@@ -275,8 +275,8 @@ def test_gate_cli_on_config_only_dir(tmp_path, capsys):
 @pytest.mark.parametrize("name", ["MLA k_pe (deepseek-v2)", "M-RoPE sectioned (qwen2-vl)"])
 def test_gate_cli_on_config_only_mla_and_mrope_dirs(name, tmp_path, capsys):
     d = tmp_path / "cfg"
-    VARIANTS[name]().config.save_pretrained(d)  # config.json only: the CLI builds seeded random weights
-    assert main(["gate", "--model", str(d), "--chunk-len", "8", "--suffix-len", "1", "--offsets", "0", "900"]) == 0
+    VARIANTS[name]().config.save_pretrained(d)  # config.json only: --random-init builds seeded random weights
+    assert main(["gate", "--model", str(d), "--random-init", "--chunk-len", "8", "--suffix-len", "1", "--offsets", "0", "900"]) == 0
     out = capsys.readouterr().out
     assert "PASSED" in out and ("MLA" in out or "M-RoPE" in out)
 

@@ -119,3 +119,29 @@ def test_power_helpers():
     # McNemar with every pair discordant toward a: 2 * 0.5 ** n <= 0.05 first at n = 6
     assert n_mcnemar(1.0, 0.0) == 6
     assert n_mcnemar(0.3, 0.1) > n_mcnemar(0.5, 0.1) and n_mcnemar(0.1, 0.3) is None
+
+
+def test_power_helpers_agree_with_the_n_needed_and_with_statsmodels():
+    from statsmodels.stats.power import TTestPower
+
+    from kvprobe.stats import power_binom_bound, power_mcnemar, power_paired_t
+
+    n = n_mcnemar(0.6, 0.1)
+    assert power_mcnemar(0.6, 0.1, n) >= 0.8 > power_mcnemar(0.6, 0.1, n - 1)
+    n = n_binom_bound(0.99, 0.9)
+    assert power_binom_bound(0.99, 0.9, n) >= 0.8 > power_binom_bound(0.99, 0.9, n - 1)
+    assert power_binom_bound(1.0, 0.97, 98) == 0.0 and power_binom_bound(1.0, 0.97, 99) == 1.0  # 0.97**99 < 0.05
+    assert power_paired_t(0.3, 0.5, 12) == pytest.approx(TTestPower().power(0.6, 12, 0.05, alternative="larger"))
+    assert power_paired_t(-0.1, 0.5, 12) == 0.0 and power_paired_t(0.1, 0.0, 12) is None
+
+
+def test_sign_test_and_cluster_means():
+    from scipy.stats import binomtest
+
+    from kvprobe.stats import cluster_means, sign_test
+
+    res = sign_test([0.5, 1.0, 0.2, 0.0, -0.3, 0.4, 1.0])
+    assert (res["positive"], res["negative"]) == (5, 1)
+    assert res["p"] == pytest.approx(binomtest(5, 6, 0.5).pvalue)
+    keys, means = cluster_means([1.0, 3.0, 2.0, None, 4.0], ["b", "b", "a", "a", "c"])
+    assert keys == ["a", "b", "c"] and means == [2.0, 2.0, 4.0]

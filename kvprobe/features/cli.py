@@ -7,7 +7,7 @@ import json
 
 
 def _train(args: argparse.Namespace) -> int:
-    from experiments.sae import Params
+    from kvprobe.experiments.sae import Params
     from kvprobe.features.sae import SAESpec, build
     from kvprobe.models.loading import load_model
     from kvprobe.runner.config import load_config, parse_overrides, validate_params

@@ -31,6 +31,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from kvprobe.backends import HookableModel
 from kvprobe.cache_dir import cache_root
 from kvprobe.errors import KVProbeError
 from kvprobe.patching.hooks import _get
@@ -61,7 +62,7 @@ class SAESpec:
 
 # -- activations -----------------------------------------------------------------------------------------------
 
-def site_module(lm: Any, site: str, layer: int) -> torch.nn.Module:
+def site_module(lm: HookableModel, site: str, layer: int) -> torch.nn.Module:
     block = _get(lm.model, lm.spec.layers_path)[layer]
     if site == "resid":
         return block
@@ -70,12 +71,12 @@ def site_module(lm: Any, site: str, layer: int) -> torch.nn.Module:
     raise KVProbeError(f"SAE site must be resid or v, not {site!r}")
 
 
-def site_dim(lm: Any, site: str) -> int:
+def site_dim(lm: HookableModel, site: str) -> int:
     return lm.spec.d_model if site == "resid" else lm.spec.n_kv_heads * lm.spec.head_dim
 
 
 @contextmanager
-def on_site(lm: Any, site: str, layer: int, fn: Any) -> Iterator[None]:
+def on_site(lm: HookableModel, site: str, layer: int, fn: Any) -> Iterator[None]:
     """``fn(act [batch, seq, d]) -> act or None`` on the site's output during the block."""
     def hook(mod, args, output):
         act = output[0] if isinstance(output, tuple) else output
@@ -91,7 +92,7 @@ def on_site(lm: Any, site: str, layer: int, fn: Any) -> Iterator[None]:
 
 
 @torch.no_grad()
-def collect(lm: Any, sequences: Sequence[Sequence[int]], site: str, layer: int, skip_first: int = 0
+def collect(lm: HookableModel, sequences: Sequence[Sequence[int]], site: str, layer: int, skip_first: int = 0
             ) -> list[torch.Tensor]:
     """The site's activations ``[seq - skip_first, d]`` (float32) for each token sequence, leaving out its
     first ``skip_first`` tokens."""
@@ -132,7 +133,7 @@ def task_instances(template_path: str, n: int, seed: int) -> list[Any]:
     return (generate_polarity_instances if is_polarity(template) else generate_instances)(template, n, seed)
 
 
-def task_sequences(lm: Any, template_path: str, n: int, seed: int) -> list[list[int]]:
+def task_sequences(lm: HookableModel, template_path: str, n: int, seed: int) -> list[list[int]]:
     """Both prompts of ``n`` task pairs (:func:`task_instances`; full prompts, up to the answer prefix)."""
     from kvprobe.tasks.gated import tokenize_pair
 
@@ -169,19 +170,19 @@ def train(acts: torch.Tensor, width: int, k: int, steps: int, batch: int, lr: fl
     return sae
 
 
-def cache_dir(lm: Any, spec: SAESpec) -> Path:
+def cache_dir(lm: HookableModel, spec: SAESpec) -> Path:
     """``<kvprobe cache>/sae/<model>-<site>-L<layer>-<key of spec and model fingerprint>``."""
     name = re.sub(r"[^A-Za-z0-9._-]", "_", Path(str(lm.name)).name)
     return cache_root() / "sae" / f"{name}-{spec.site}-L{spec.layer}-{spec.key(lm.fingerprint)}"
 
 
-def training_activations(lm: Any, spec: SAESpec) -> torch.Tensor:
+def training_activations(lm: HookableModel, spec: SAESpec) -> torch.Tensor:
     seqs = task_sequences(lm, spec.task_template, spec.n_task_prompts, spec.seed + 1000)
     seqs += neutral_sequences(lm.tokenizer, spec.n_neutral_tokens, spec.window)
     return torch.cat(collect(lm, seqs, spec.site, spec.layer, spec.skip_first))
 
 
-def build(lm: Any, spec: SAESpec, retrain: bool = False) -> tuple[Any, dict[str, Any]]:
+def build(lm: HookableModel, spec: SAESpec, retrain: bool = False) -> tuple[Any, dict[str, Any]]:
     """The SAE of ``spec`` (sae-lens ``SAE.load_from_disk``) and its build info; trains and saves it with
     ``save_model`` when the cache lacks it (or ``retrain``)."""
     from sae_lens import SAE
@@ -216,7 +217,7 @@ def encode(sae: Any, acts: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def reconstruction(lm: Any, sae: Any, site: str, layer: int, sequences: Sequence[Sequence[int]],
+def reconstruction(lm: HookableModel, sae: Any, site: str, layer: int, sequences: Sequence[Sequence[int]],
                    skip_first: int = 0) -> dict[str, Any]:
     """Explained variance and dead features over the sequences' activations, and mean next-token
     cross-entropy clean vs. with the site replaced by the SAE's reconstruction (and vs. zero-ablated, the

@@ -1,7 +1,8 @@
-"""The claims forest plot: per paper claim x model, ours (mean and 95% CI) beside the paper's value, the
-equivalence bounds or rate bound shaded, coloured by verdict (kvprobe.claims; paper Appendix G's
-confirmatory protocol). Claims whose inclusion filter left no instance are not drawn; identities are drawn
-grey. Reads records only.
+"""The claims figure (kvprobe.claims; paper Appendix H's confirmatory protocol), page-sized: per model, how
+many of the paper's effects reached each verdict (left), and, apart, the controls, sanity checks and
+identities (right). Bars are counts of claim x task rows; the left panel's label is the headline, "k of N paper
+effects reproduced" (effects with a paper number only). The per-row numbers (ours with its interval, the
+paper's value, the bounds, power) are in the claims table and ``results/claims.json``. Reads records only.
 """
 
 from __future__ import annotations
@@ -13,46 +14,56 @@ import matplotlib.pyplot as plt
 
 from kvprobe.figures.common import save
 
-COLORS = {"reproduced": "tab:green", "not reproduced": "tab:red", "not measurable": "tab:orange",
-          "identity": "tab:gray"}
+COLORS = {"reproduced": "tab:green", "outside the paper's range": "tab:purple", "inconclusive": "tab:olive",
+          "not reproduced": "tab:red", "not measurable": "tab:orange", "identity": "tab:gray",
+          "no paper number": "lightgray"}
+
+
+def _counts(rows: list[dict[str, Any]], models: list[str]) -> dict[str, list[int]]:
+    out = {v: [0] * len(models) for v in COLORS}
+    for r in rows:
+        head = r["verdict"].split(" (")[0]
+        out.setdefault(head, [0] * len(models))[models.index(r["model"])] += 1
+    return out
 
 
 def fig_claims(records: list[dict[str, Any]], path: Path) -> None:
-    from kvprobe.claims import claims_rows
+    from kvprobe.claims import claims_rows, headline
 
-    rows = [r for r in claims_rows(records) if r["ours"].get("mean") is not None]
+    rows = claims_rows(records)
     if not rows:
         return
-    fig, ax = plt.subplots(figsize=(9, 0.32 * len(rows) + 1.6))
-    labels = []
-    for y, r in enumerate(reversed(rows)):
-        o, head = r["ours"], r["verdict"].split(" (")[0]
-        color = COLORS.get(head, "black")
-        if r.get("bounds"):
-            ax.plot(r["bounds"], [y, y], color=color, alpha=0.25, lw=7, solid_capstyle="butt")
-        elif r.get("bound") is not None:
-            ax.plot([r["bound"], 1.0], [y, y], color=color, alpha=0.25, lw=7, solid_capstyle="butt")
-        if o.get("ci_low") is not None:
-            ax.plot([o["ci_low"], o["ci_high"]], [y, y], color=color, lw=1.5)
-        ax.plot(o["mean"], y, "o", color=color, ms=5)
-        if r.get("paper_point") is not None:
-            ax.plot(r["paper_point"], y, "x", color="black", ms=6)
-        tmpl = "" if r["template"] == "gated" else f" [{r['template']}]"
-        labels.append(f"{r['claim']}{tmpl} - {r['model']}")
-    ax.set_yticks(range(len(labels)), labels, fontsize=7)
-    ax.set_ylim(-0.8, len(labels) - 0.2)
-    ax.axvline(0, color="black", lw=0.4)
-    ax.axvline(1, color="black", lw=0.4, ls=":")
-    handles = [plt.Line2D([], [], color=c, marker="o", ls="-", label=k) for k, c in COLORS.items()]
-    handles.append(plt.Line2D([], [], color="black", marker="x", ls="", label="paper"))
-    ax.set_xlabel("ours: mean [95% CI]; shaded: the bounds tested", fontsize=8)
-    ax.legend(handles=handles, fontsize=7, ncol=3, loc="upper right", bbox_to_anchor=(1.0, -0.6 / len(labels) - 0.04))
-    ax.set_title("Paper claims, ours vs paper (verdicts on BH q)", fontsize=9)
-    save(fig, path, dpi=100)  # one row per claim x model (hundreds): 130 dpi put the PNG over 2 MiB
-    # and at 460 rows 100 dpi does too: a 128-colour palette keeps it near 0.7 MiB (flat colours, no loss worth
-    # the name). Pillow is matplotlib's own image dependency.
-    from PIL import Image
-
-    with Image.open(path) as im:
-        palette = im.convert("RGB").quantize(colors=128)
-    palette.save(path, optimize=True)
+    models = sorted({r["model"] for r in rows})
+    heads = headline(rows)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 0.42 * len(models) + 1.8), sharey=True)
+    for ax, role, title in ((axes[0], "effect", "the paper's effects"),
+                            (axes[1], "control", "controls, sanity checks, identities")):
+        part = [r for r in rows if (r.get("role") or "control") == role]
+        left = [0] * len(models)
+        for verdict, counts in _counts(part, models).items():
+            if not any(counts):
+                continue
+            ax.barh(range(len(models)), counts, left=left, color=COLORS.get(verdict, "black"), label=verdict)
+            left = [a + b for a, b in zip(left, counts)]
+        if role == "control":  # room for the legend on the right
+            ax.set_xlim(0, max(max(left), 1) * 1.5)
+        ax.set_title(f"{title} (BH within this family)", fontsize=9)
+        ax.set_xlabel("claim x task rows", fontsize=8)
+        ax.tick_params(labelsize=7)
+        if role == "effect":
+            for y, m in enumerate(models):
+                h = heads.get(m)
+                if h:
+                    ax.text(left[y] + 0.3, y, f"{h['reproduced']} of {h['effects']}", va="center", fontsize=7)
+    axes[0].set_yticks(range(len(models)), models, fontsize=7)
+    axes[0].invert_yaxis()
+    handles, labels = [], []
+    for ax in axes:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    axes[1].legend(handles, labels, fontsize=7, loc="lower right")
+    fig.suptitle("Paper claims per model: k of N paper effects reproduced (left), controls apart (right)",
+                 fontsize=10)
+    save(fig, path, dpi=110)

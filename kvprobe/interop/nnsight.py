@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from kvprobe.backends import HookableModel
 from kvprobe.interop.sites import envoy_at
 from kvprobe.patching.sites import Site
 
@@ -33,7 +34,7 @@ def _ids(model: Any, ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def run_patched(model: Any, lm: Any, ids: Sequence[int] | torch.Tensor, patches: Mapping[Site, torch.Tensor],
+def run_patched(model: Any, lm: HookableModel, ids: Sequence[int] | torch.Tensor, patches: Mapping[Site, torch.Tensor],
                 add: bool = False) -> torch.Tensor:
     """Last-position logits ``[batch, vocab]`` (float32, CPU) with each site's activation replaced (or shifted).
 
@@ -72,7 +73,7 @@ def run_patched(model: Any, lm: Any, ids: Sequence[int] | torch.Tensor, patches:
 class KVCellPatcher:
     """KV cells as nnsight traces: one full forward of ``base_ids`` (context + query suffix) per cell."""
 
-    def __init__(self, model: Any, lm: Any, base_ids: Sequence[int], donor_context: Sequence[int],
+    def __init__(self, model: Any, lm: HookableModel, base_ids: Sequence[int], donor_context: Sequence[int],
                  context_length: int):
         self.model, self.lm, self.ctx = model, lm, int(context_length)
         spec = lm.spec

@@ -20,18 +20,19 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from kvprobe.backends import HookableModel
 from kvprobe.errors import KVProbeError
 from kvprobe.patching.sites import Site
 
 _POST_NORM_FAMILIES = ("gemma2", "gemma3", "gemma3_text")
 
 
-def _post_norm(lm: Any) -> bool:
+def _post_norm(lm: HookableModel) -> bool:
     spec = getattr(lm, "spec", None)
     return spec is not None and spec.model_type in _POST_NORM_FAMILIES
 
 
-def tl_hook_name(site: Site, lm: Any = None) -> str | tuple[str, str]:
+def tl_hook_name(site: Site, lm: HookableModel | None = None) -> str | tuple[str, str]:
     """The TransformerBridge hook (a (keys, values) pair for ``kv`` sites) holding ``site``'s activation.
 
     Pass the model (``lm``) for Gemma-style families, whose block outputs go through a post-norm."""
@@ -61,7 +62,7 @@ _TL = [
 ]
 
 
-def site_of_tl_hook(name: str, position: int | None = None, head: int | None = None, lm: Any = None) -> Site:
+def site_of_tl_hook(name: str, position: int | None = None, head: int | None = None, lm: HookableModel | None = None) -> Site:
     """The kvprobe site a TransformerBridge hook name addresses (``hook_z`` needs ``head``).
 
     On Gemma-style families TL's ``hook_attn_out`` / ``hook_mlp_out`` are after the post-norm, which no kvprobe
@@ -83,7 +84,7 @@ def site_of_tl_hook(name: str, position: int | None = None, head: int | None = N
     raise KVProbeError(f"TransformerLens hook {name!r} has no kvprobe site (see docs/interop.md)")
 
 
-def nnsight_path(site: Site, lm: Any) -> str:
+def nnsight_path(site: Site, lm: HookableModel) -> str:
     """Module path (under the nnsight model) and attribute the site is read from, e.g.
     ``model.layers.3.output``; ``kv`` sites give the key projection (the value projection is ``v_proj``)."""
     spec = lm.spec

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from kvprobe.backends import HookableModel
 from kvprobe.interop.sites import tl_hook_name
 from kvprobe.patching.sites import Site
 
@@ -32,7 +33,7 @@ def _device(bridge: Any) -> torch.device:
 
 @torch.no_grad()
 def run_patched(bridge: Any, ids: Sequence[int] | torch.Tensor, patches: Mapping[Site, torch.Tensor],
-                lm: Any = None, add: bool = False) -> torch.Tensor:
+                lm: HookableModel | None = None, add: bool = False) -> torch.Tensor:
     """Last-position logits ``[batch, vocab]`` (float32, CPU) of one forward with each site's activation
     replaced by (or, with ``add``, shifted by) its tensor. ``kv`` sites take a ``(keys, values)`` pair shaped
     like TL's hooks, ``[..., kv_heads, d_head]``. Pass the kvprobe model as ``lm`` for Gemma-style families."""

@@ -19,14 +19,26 @@ its view once.
 from __future__ import annotations
 
 import copy
+import functools
 import weakref
-from typing import Any
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeAlias, TypeVar
 
 import torch
 
+from kvprobe.backends import HookableModel
 from kvprobe.errors import KVProbeError
 from kvprobe.models.arch import arch_spec
 from kvprobe.models.loading import LoadedModel, fingerprint_model
+
+if TYPE_CHECKING:
+    from nnsight import LanguageModel
+    from transformer_lens.model_bridge import TransformerBridge
+    from transformers import PreTrainedModel
+
+# What a public kvprobe function accepts as a model: converted once, at the boundary, by :func:`as_lm`.
+ModelLike: TypeAlias = "HookableModel | TransformerBridge | LanguageModel | PreTrainedModel"
 
 _BRIDGE_WRAPPER = "_original_component."
 _views: "weakref.WeakKeyDictionary[Any, LoadedModel]" = weakref.WeakKeyDictionary()
@@ -82,11 +94,12 @@ def hf_view_of_bridge(bridge: Any) -> torch.nn.Module:
     return view.eval()
 
 
-def as_lm(obj: Any, tokenizer: Any = None, name: str | None = None) -> LoadedModel:
-    """The :class:`LoadedModel` behind ``obj`` (a LoadedModel, TransformerBridge, nnsight LanguageModel, or a
-    Hugging Face ``PreTrainedModel`` with ``tokenizer``)."""
-    if isinstance(obj, LoadedModel) or (hasattr(obj, "spec") and hasattr(obj, "model") and not is_nnsight(obj)):
-        return obj  # a LoadedModel (or a stand-in with the same fields)
+def as_lm(obj: ModelLike, tokenizer: Any = None, name: str | None = None) -> HookableModel:
+    """The :class:`~kvprobe.backends.HookableModel` behind ``obj`` (a LoadedModel or any other implementation of
+    the protocol, a TransformerBridge, an nnsight LanguageModel, or a Hugging Face ``PreTrainedModel`` with
+    ``tokenizer``)."""
+    if isinstance(obj, HookableModel) and not is_nnsight(obj):
+        return obj  # a LoadedModel, or another backend implementing the protocol
     if is_hooked_transformer(obj):
         raise KVProbeError("a HookedTransformer holds TransformerLens-layout weights (folded norms) that kvprobe "
                            "cannot map back to the Hugging Face model; boot a TransformerBridge on the same model "
@@ -96,11 +109,11 @@ def as_lm(obj: Any, tokenizer: Any = None, name: str | None = None) -> LoadedMod
     except (KeyError, TypeError):
         pass
     if is_bridge(obj):
-        model, tok, source = hf_view_of_bridge(obj), tokenizer or obj.tokenizer, "transformer_lens bridge"
+        model, tok, source = hf_view_of_bridge(obj), tokenizer or _stock_tokenizer(obj.tokenizer), "transformer_lens bridge"
     elif is_nnsight(obj):
         model, tok, source = obj._module, tokenizer or getattr(obj, "tokenizer", None), "nnsight"
     elif isinstance(obj, torch.nn.Module) and hasattr(obj, "config"):
-        model, tok, source = obj, tokenizer, "transformers model"
+        model, tok, source = obj, tokenizer or _tokenizer_beside(obj), "transformers model"
     else:
         raise KVProbeError(f"kvprobe cannot use a {type(obj).__name__}: pass a LoadedModel, a TransformerLens "
                            "TransformerBridge, an nnsight LanguageModel or a transformers model")
@@ -113,3 +126,49 @@ def as_lm(obj: Any, tokenizer: Any = None, name: str | None = None) -> LoadedMod
     except TypeError:
         pass
     return lm
+
+
+def _stock_tokenizer(bridge_tokenizer: Any) -> Any:
+    """The stock Hugging Face tokenizer behind a bridge's: TransformerLens reloads it with ``add_bos_token=True``,
+    which would prepend a BOS the native model never sees, so kvprobe reloads it from the same local files (or
+    the HF cache). Falls back to the bridge's own tokenizer when those files are not here."""
+    import logging
+
+    from transformers import AutoTokenizer
+
+    where = str(getattr(bridge_tokenizer, "name_or_path", "") or "")
+    try:
+        return AutoTokenizer.from_pretrained(where, local_files_only=True) if where else bridge_tokenizer
+    except (OSError, ValueError):
+        logging.getLogger(__name__).warning("using the bridge's tokenizer (it prepends BOS); pass as_lm(bridge, "
+                                            "tokenizer) with the model's own tokenizer to match native runs")
+        return bridge_tokenizer
+
+
+def _tokenizer_beside(model: Any) -> Any:
+    """The tokenizer saved with a Hugging Face model loaded from a local directory (None otherwise: pass it to
+    ``as_lm(model, tokenizer)``). Never reaches the hub."""
+    where = str(getattr(model.config, "_name_or_path", "") or "")
+    if not where or not Path(where).is_dir():
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(where, local_files_only=True)
+    except (OSError, ValueError):
+        return None
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def at_boundary(fn: Callable[Concatenate[HookableModel, _P], _R]) -> Callable[Concatenate[ModelLike, _P], _R]:
+    """``fn`` made public: its model argument may be any :data:`ModelLike`, converted once by :func:`as_lm`
+    before the core sees it (the core itself takes the protocol only)."""
+
+    @functools.wraps(fn)
+    def public(lm: ModelLike, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        return fn(as_lm(lm), *args, **kwargs)
+
+    return public

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
+
+from kvprobe.backends import HookableModel
 from kvprobe.kv.readout import prefill
 from kvprobe.kv.rope import rerotate
 from kvprobe.kv.state import KVState
@@ -19,7 +20,7 @@ from kvprobe.kv.state import KVState
 import torch
 
 
-def precompile(lm: Any, ids: Sequence[int]) -> KVState:
+def precompile(lm: HookableModel, ids: Sequence[int]) -> KVState:
     """KV of a chunk prefilled alone at positions 0..L-1."""
     return prefill(lm, list(ids))
 
@@ -41,7 +42,7 @@ class Spliced:
     rotate: bool = True  # False is the no-rotation control: keys keep their isolated positions' rotation
 
 
-def splice(lm: Any, prior: KVState | None, block: Spliced) -> KVState:
+def splice(lm: HookableModel, prior: KVState | None, block: Spliced) -> KVState:
     """``prior`` followed by the block at the next positions."""
     start = prior.next_position if prior is not None else 0
     k = min(block.seam, len(block.ids))
@@ -54,7 +55,7 @@ def splice(lm: Any, prior: KVState | None, block: Spliced) -> KVState:
     return moved if state is None else state.concat(moved)
 
 
-def assemble(lm: Any, pieces: Sequence[Live | Spliced]) -> KVState:
+def assemble(lm: HookableModel, pieces: Sequence[Live | Spliced]) -> KVState:
     """One KVState from pieces in order: live pieces are prefilled, spliced ones re-rotated and appended."""
     state: KVState | None = None
     for piece in pieces:

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
+from kvprobe.backends import HookableModel
 from kvprobe.kv.readout import prefill
 from kvprobe.kv.state import KVState
 
 
 @torch.no_grad()
-def greedy_chain(lm: Any, state: KVState, cue_ids: Sequence[int], max_tokens: int,
+def greedy_chain(lm: HookableModel, state: KVState, cue_ids: Sequence[int], max_tokens: int,
                  stop_ids: Sequence[int] = ()) -> tuple[KVState, list[int]]:
     """Run ``cue_ids`` over ``state``, then generate up to ``max_tokens`` tokens greedily (stopping after a
     token in ``stop_ids``). Returns the state holding cue and chain, and the chain's token ids."""

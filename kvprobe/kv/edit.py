@@ -38,6 +38,7 @@ import torch
 
 from kvprobe.errors import KVProbeError
 from kvprobe.kv.readout import prefill
+from kvprobe.backends import HookableModel, KVBackend
 from kvprobe.kv.state import KVState
 from kvprobe.tasks.edits import common_prefix_len
 
@@ -102,74 +103,15 @@ class FieldEdit:
 
 
 # -- recompute --------------------------------------------------------------------------------------------
-def _model(lm: Any):
-    return lm.model if hasattr(lm, "model") and not isinstance(lm, torch.nn.Module) else lm
-
-
-def _causal_masks(lm: Any, kept_pos: torch.Tensor, new_pos: torch.Tensor, dtype: torch.dtype):
-    """Additive masks ``[1, 1, n_new, n_kept + n_new]``: kept slots strictly before, new tokens at or before
-    each query position; sliding-window layers also keep only keys within the window (HF: distance < W)."""
-    model = _model(lm)
-    keys = torch.cat([kept_pos, new_pos])
-    q = new_pos[:, None]
-    allowed = torch.cat([kept_pos[None, :] < q, new_pos[None, :] <= q], dim=1)
-    neg = torch.finfo(dtype).min
-
-    def additive(ok: torch.Tensor) -> torch.Tensor:
-        m = torch.zeros(ok.shape, dtype=dtype).masked_fill(~ok, neg)
-        return m[None, None].to(next(model.parameters()).device)
-
-    spec = getattr(lm, "spec", None)
-    layer_types = spec.layer_types if spec is not None else ("full_attention",)
-    if "sliding_attention" not in layer_types:
-        return additive(allowed)
-    window = spec.sliding_window
-    windowed = additive(allowed & ((q - keys[None, :]) < window))
-    if getattr(model.config, "layer_types", None) is not None:
-        return {"full_attention": additive(allowed), "sliding_attention": windowed}
-    if all(t == "sliding_attention" for t in layer_types):
-        return windowed
-    raise KVProbeError(f"cannot build per-layer recompute masks for {spec.model_type}")
-
-
-@torch.no_grad()
-def recompute_slots(lm: Any, state: KVState, ids: Sequence[int], slots: Sequence[int]) -> KVState:
+def recompute_slots(lm: KVBackend[KVState], state: KVState, ids: Sequence[int], slots: Sequence[int]) -> KVState:
     """``state`` with the K/V of ``slots`` recomputed: the tokens ``ids[slot]`` run through the model at their
-    recorded positions over every other slot, causally (kept slots < p, recomputed tokens <= p).
-
-    ``ids`` are the token ids of every slot of the (edited) context; only those at ``slots`` are read.
-    """
-    if state.batch != 1:
-        raise KVProbeError("recompute_slots edits one cache at a time (batch 1)")
-    if len(ids) != state.length:
-        raise KVProbeError(f"{len(ids)} ids for a {state.length}-slot state")
-    chosen = sorted({int(s) for s in slots})
-    if not chosen:
-        return state
-    if chosen[0] < 0 or chosen[-1] >= state.length:
-        raise KVProbeError(f"slots must lie in [0, {state.length})")
-    chosen_set = set(chosen)
-    kept = [s for s in range(state.length) if s not in chosen_set]
-    new_pos = state.positions[chosen]
-    order = torch.argsort(new_pos, stable=True)  # the new tokens go in position order
-    chosen = [chosen[i] for i in order.tolist()]
-    new_pos = state.positions[chosen]
-    kept_state = state.select(kept)
-    model = _model(lm)
-    device = next(model.parameters()).device
-    dtype = state.keys[0].dtype
-    mask = _causal_masks(lm, kept_state.positions, new_pos, dtype)
-    input_ids = torch.as_tensor([int(ids[s]) for s in chosen], dtype=torch.long)[None].to(device)
-    out = model(input_ids=input_ids, position_ids=new_pos[None].to(device), cache=kept_state.to_cache(),
-                attention_mask=mask, use_cache=True, logits_to_keep=1)
-    merged = KVState.from_cache(out.cache, torch.cat([kept_state.positions, new_pos]))
-    # merged slots are [kept..., chosen...]; put every slot back where it was
-    where = {s: i for i, s in enumerate(kept + chosen)}
-    return merged.select([where[s] for s in range(state.length)])
+    recorded positions over every other slot, causally (kept slots < p, recomputed tokens <= p). The backend
+    does the forward (:meth:`kvprobe.backends.KVBackend.recompute`)."""
+    return lm.recompute(state, ids, slots)
 
 
 # -- in-context edits ---------------------------------------------------------------------------------------
-def _recomputed(lm: Any, e: FieldEdit, slots: Sequence[int], **detail: Any) -> EditResult:
+def _recomputed(lm: HookableModel, e: FieldEdit, slots: Sequence[int], **detail: Any) -> EditResult:
     slots = sorted({int(s) for s in slots})
     return EditResult(recompute_slots(lm, e.stale, e.ids, slots), e.suffix, len(slots), e.length, detail=detail)
 
@@ -178,12 +120,12 @@ def stale(e: FieldEdit) -> EditResult:
     return EditResult(e.stale, e.suffix, 0, e.length)
 
 
-def in_place(lm: Any, e: FieldEdit) -> EditResult:
+def in_place(lm: HookableModel, e: FieldEdit) -> EditResult:
     """Refresh the field's own KV and nothing else (~1% compute; ignored without a reasoning chain)."""
     return _recomputed(lm, e, e.field_slots)
 
 
-def field_selective(lm: Any, e: FieldEdit, ranked_downstream: Sequence[int], k: int) -> EditResult:
+def field_selective(lm: HookableModel, e: FieldEdit, ranked_downstream: Sequence[int], k: int) -> EditResult:
     """The field plus the top ``k`` of ``ranked_downstream`` (highest causal effect first), recomputed."""
     top = [int(p) for p in ranked_downstream[:k]]
     if any(p <= e.field_slots[-1] or p >= e.length for p in top):
@@ -191,11 +133,11 @@ def field_selective(lm: Any, e: FieldEdit, ranked_downstream: Sequence[int], k: 
     return _recomputed(lm, e, [*e.field_slots, *top], k=k)
 
 
-def full_downstream(lm: Any, e: FieldEdit) -> EditResult:
+def full_downstream(lm: HookableModel, e: FieldEdit) -> EditResult:
     return _recomputed(lm, e, range(e.field_start, e.length))
 
 
-def full_reprefill(lm: Any, e: FieldEdit) -> EditResult:
+def full_reprefill(lm: HookableModel, e: FieldEdit) -> EditResult:
     return EditResult(prefill(lm, e.ids), e.suffix, e.length, e.length)
 
 
@@ -204,11 +146,11 @@ class _Stop(Exception):
 
 
 @torch.no_grad()
-def kv_deviation(lm: Any, e: FieldEdit, check_layer: int) -> torch.Tensor:
+def kv_deviation(lm: HookableModel, e: FieldEdit, check_layer: int) -> torch.Tensor:
     """Per slot from the field on: ||K_new - K_stale||^2 + ||V_new - V_stale||^2 at ``check_layer``, where
     the new K/V come from running the new context from the field on through layers 0..check_layer only
     (CacheBlend's partial first pass; the forward stops after that layer)."""
-    model = _model(lm)
+    model = lm.model
     layers = model.get_submodule(lm.spec.layers_path)
     if not 0 <= check_layer < len(layers):
         raise KVProbeError(f"cacheblend check layer {check_layer} outside [0, {len(layers)})")
@@ -236,7 +178,7 @@ def kv_deviation(lm: Any, e: FieldEdit, check_layer: int) -> torch.Tensor:
     return dev.cpu()
 
 
-def cacheblend(lm: Any, e: FieldEdit, ratio: float, check_layer: int = 1) -> EditResult:
+def cacheblend(lm: HookableModel, e: FieldEdit, ratio: float, check_layer: int = 1) -> EditResult:
     """CacheBlend-style selective recompute: rank the slots from the field on by KV deviation at
     ``check_layer`` and recompute the top ``ratio`` of the context (the field always among them)."""
     if not 0 < ratio <= 1:
@@ -252,18 +194,8 @@ def cacheblend(lm: Any, e: FieldEdit, ratio: float, check_layer: int = 1) -> Edi
     return replace(res, partial_pass_tokens=check_pass * (check_layer + 1) / lm.spec.n_layers)
 
 
-def rank_downstream_by_effect(lm: Any, pp: Any, batch_size: int = 64) -> list[int]:
-    """Downstream slots, highest single-position causal effect first (oracle K/V patched into the stale
-    cache on every layer, ranked by recovery): :func:`kvprobe.patching.ranking.rank_downstream`."""
-    from kvprobe.patching.pairs import measure
-    from kvprobe.patching.ranking import rank_downstream
-
-    anchor, _, _ = measure(lm, pp, {}, batch_size)
-    return rank_downstream(lm, pp, anchor, batch_size).positions
-
-
 # -- appending edits ------------------------------------------------------------------------------------------
-def append_edit(lm: Any, cached: KVState, cached_ids: Sequence[int], prompt: Sequence[int], readout_tokens: int,
+def append_edit(lm: HookableModel, cached: KVState, cached_ids: Sequence[int], prompt: Sequence[int], readout_tokens: int,
                 already_recomputed: int = 0, needs_prompt_surgery: bool = False, **detail: Any) -> EditResult:
     """Reuse ``cached`` for the longest token prefix it shares with ``prompt`` and prefill the rest of the
     prompt's context over it; the last ``readout_tokens`` tokens are the query suffix."""
@@ -278,20 +210,20 @@ def append_edit(lm: Any, cached: KVState, cached_ids: Sequence[int], prompt: Seq
                       detail={"reused_tokens": cut, "appended_tokens": ctx - cut, **detail})
 
 
-def erratum(lm: Any, e: FieldEdit, erratum_prompt: Sequence[int], readout_tokens: int) -> EditResult:
+def erratum(lm: HookableModel, e: FieldEdit, erratum_prompt: Sequence[int], readout_tokens: int) -> EditResult:
     """Stale cache + a salient erratum and the decision prompt as new tokens. ``erratum_prompt`` is the
     erratum prompt's full token ids with the OLD value still in the field (the cache's text)."""
     return append_edit(lm, e.stale, e.stale_ids, erratum_prompt, readout_tokens)
 
 
-def field_erratum(lm: Any, e: FieldEdit, erratum_prompt: Sequence[int], readout_tokens: int) -> EditResult:
+def field_erratum(lm: HookableModel, e: FieldEdit, erratum_prompt: Sequence[int], readout_tokens: int) -> EditResult:
     """In-place field refresh, then the erratum appended. ``erratum_prompt`` holds the NEW value in the field."""
     refreshed = in_place(lm, e)
     return append_edit(lm, refreshed.state, e.ids, erratum_prompt, readout_tokens,
                        already_recomputed=refreshed.recomputed_tokens)
 
 
-def hoist_to_end(lm: Any, old_hoisted: Sequence[int], new_hoisted: Sequence[int], readout_tokens: int,
+def hoist_to_end(lm: HookableModel, old_hoisted: Sequence[int], new_hoisted: Sequence[int], readout_tokens: int,
                  prefix: KVState | None = None) -> EditResult:
     """Prompt surgery: the prompts with the field next to the question. Their shared, value-independent
     prefix is what a system caches once (``prefix``; prefilled here when not given, never counted); the

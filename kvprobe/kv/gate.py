@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 
+from kvprobe.backends import HookableModel
 from kvprobe.errors import KVProbeError
-from kvprobe.kv.readout import prefill, read_logits
+from kvprobe.backends.hf import hf_prefill, hf_read_logits
 from kvprobe.kv.rope import rerotate, rope_layer_info, rotated_vectors
 
 LARGE_OFFSET = 32768
@@ -43,7 +44,7 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
 
 
-def _unwrap(lm: Any) -> torch.nn.Module:
+def _unwrap(lm: HookableModel) -> torch.nn.Module:
     return lm if isinstance(lm, torch.nn.Module) else lm.model
 
 
@@ -84,7 +85,7 @@ def run_gate(lm_or_model: Any, chunk_len: int = 64, offsets: Sequence[int] = DEF
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (chunk_len,), generator=g)
     suffix = torch.randint(0, vocab, (suffix_len,), generator=g)
-    at_zero = prefill(model, ids)
+    at_zero = hf_prefill(model, ids)
     rows = []
     for off in offsets:
         target = torch.arange(off, off + chunk_len)
@@ -94,12 +95,12 @@ def run_gate(lm_or_model: Any, chunk_len: int = 64, offsets: Sequence[int] = DEF
         except KVProbeError as exc:  # a move this RoPE refuses (longrope across its switch): compose refuses too
             rows.append({"offset": off, "refused": str(exc), "passed": True})
             continue
-        ref = prefill(model, ids, positions=target)
+        ref = hf_prefill(model, ids, positions=target)
         ref_rot = rotated_vectors(ref, infos)  # keys, or MLA's k_pe
         key_errs = [relative_error(a, b) for a, b in zip(rotated_vectors(moved, infos), ref_rot)]
         logit_rel, control_logit_rel = 0.0, 0.0
         for j in range(1, suffix_len + 1):  # logits after each prefix of the suffix, all states at once
-            lg = read_logits(model, [moved, ref, unrotated], suffix[:j],
+            lg = hf_read_logits(model, [moved, ref, unrotated], suffix[:j],
                              suffix_positions=range(off + chunk_len, off + chunk_len + j))
             logit_rel = max(logit_rel, relative_error(lg[0], lg[1]))
             control_logit_rel = max(control_logit_rel, relative_error(lg[2], lg[1]))

@@ -14,7 +14,7 @@ def _gate(args: argparse.Namespace) -> int:
     from kvprobe.kv.gate import DEFAULT_OFFSETS, format_gate, run_gate
     from kvprobe.models.loading import load_model
 
-    lm = load_model(args.model, device=args.device, dtype=args.dtype, seed=args.seed)
+    lm = load_model(args.model, device=args.device, dtype=args.dtype, seed=args.seed, random_init=args.random_init)
     result = run_gate(lm, chunk_len=args.chunk_len, offsets=args.offsets or DEFAULT_OFFSETS, seed=args.seed,
                       suffix_len=args.suffix_len, key_tol=args.tol, deep_tol=args.deep_tol,
                       rotate=not args.no_rotate)
@@ -41,7 +41,9 @@ def _gate(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("gate", help="check that re-rotated KV equals an offset prefill (exits 1 if not)")
-    p.add_argument("--model", required=True, help="alias or model directory (a config.json alone works)")
+    p.add_argument("--model", required=True, help="alias, Hugging Face id or model directory")
+    p.add_argument("--random-init", action="store_true",
+                   help="allow a directory with a config.json but no weights (the gate is exact on random weights too)")
     p.add_argument("--chunk-len", type=int, default=64)
     p.add_argument("--suffix-len", type=int, default=3, help="suffix tokens whose next-token logits are compared")
     p.add_argument("--offsets", type=int, nargs="+", default=None,

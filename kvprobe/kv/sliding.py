@@ -17,7 +17,7 @@ import torch
 
 from kvprobe.errors import KVProbeError
 from kvprobe.kv.gate import relative_error  # the gate's measure, so both reports compare alike
-from kvprobe.kv.readout import prefill, read_logits
+from kvprobe.backends.hf import hf_prefill, hf_read_logits
 from kvprobe.models.arch import arch_spec
 
 
@@ -74,9 +74,9 @@ def compare_window_policies(model: torch.nn.Module, chunk_len: int, offset: int,
 
     # Both policies prefill the chunk at ``offset`` itself: this isolates the cache policy (the rotation is
     # the gate's business, checked above it).
-    full = prefill(model, ids, positions=torch.arange(offset, offset + chunk_len))  # every token, every layer
+    full = hf_prefill(model, ids, positions=torch.arange(offset, offset + chunk_len))  # every token, every layer
     ref_append = _reference_logits(model, torch.cat([ids, suffix]), offset)
-    kv_append = read_logits(model, full, suffix, suffix_positions=range(offset + chunk_len,
+    kv_append = hf_read_logits(model, full, suffix, suffix_positions=range(offset + chunk_len,
                                                                           offset + chunk_len + suffix_len))[0]
 
     trunc = truncating_cache(model, ids, offset)
@@ -90,7 +90,7 @@ def compare_window_policies(model: torch.nn.Module, chunk_len: int, offset: int,
     k = chunk_len - window  # every one of these tokens is older than the window at the chunk's end
     prefix = full.slice(0, k)  # causal: exactly the KV of ids[:k] at offset, if every token was kept
     ref_prefix = _reference_logits(model, torch.cat([ids[:k], suffix]), offset)
-    kv_prefix = read_logits(model, prefix, suffix, suffix_positions=range(offset + k, offset + k + suffix_len))[0]
+    kv_prefix = hf_read_logits(model, prefix, suffix, suffix_positions=range(offset + k, offset + k + suffix_len))[0]
     return {
         "window": window,
         "chunk_len": chunk_len,

@@ -4,8 +4,12 @@
   so every later load reads plain fp32 weights in about a second (same logits).
 - Paper models load from the local Hugging Face cache or a directory; a missing one is downloaded from the hub
   unless offline (``HF_HUB_OFFLINE`` / ``--offline``). On CUDA they stream onto the device in bf16.
-- A directory holding only ``config.json`` (plus, optionally, tokenizer files) builds a seeded random-init
-  model: tests and correctness gates use it for architectures we have no weights for.
+- Any Hugging Face id (``org/name``) of a supported architecture loads like a paper alias: local HF cache first,
+  then the hub unless offline; a gated repo gets a message about its licence and the token.
+- A directory holding only ``config.json`` (plus, optionally, tokenizer files) is refused unless random weights
+  are asked for (``random_init=True`` / ``--random-init``, or the directory's ``kvprobe-random-init.json`` marker
+  that :mod:`kvprobe.models.tiny` writes): then it builds a seeded random-init model, marked ``random_init`` in
+  ``describe()`` and so in every record. Tests and correctness gates use it for architectures without weights.
 """
 
 from __future__ import annotations
@@ -17,12 +21,14 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from kvprobe.backends.hf import HFKVBackend
 from kvprobe.cache_dir import cache_root
 from kvprobe.errors import KVProbeError
 from kvprobe.models.arch import ArchSpec, arch_spec
@@ -30,11 +36,17 @@ from kvprobe.models.registry import ModelEntry, resolve
 
 log = logging.getLogger(__name__)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+# Written by kvprobe.models.tiny into the config-only test directories it builds: the directory itself asks for
+# random weights (no user directory has it by accident).
+RANDOM_INIT_MARKER = "kvprobe-random-init.json"
 
 
 @dataclass
-class LoadedModel:
-    """A model ready for kvprobe: the HF module, its tokenizer (None for config-only models) and its spec."""
+class LoadedModel(HFKVBackend):
+    """A model ready for kvprobe: the HF module, its tokenizer (None for config-only models) and its spec.
+
+    It implements :class:`kvprobe.backends.HookableModel` (the four cache operations through the transformers
+    backend, plus the modules to hook)."""
 
     model: Any
     tokenizer: Any
@@ -43,6 +55,7 @@ class LoadedModel:
     source: str
     fingerprint: str
     has_chat_template: bool
+    random_init: bool = False  # seeded random weights (a config-only directory), not a trained model
 
     @property
     def device(self) -> torch.device:
@@ -55,7 +68,7 @@ class LoadedModel:
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "source": self.source, "fingerprint": self.fingerprint,
                 "model_type": self.spec.model_type, "n_layers": self.spec.n_layers, "dtype": str(self.dtype),
-                "device": str(self.device)}
+                "device": str(self.device), **({"random_init": True} if self.random_init else {})}
 
 
 def _package_dir(package: str) -> Path:
@@ -100,6 +113,31 @@ def _gguf_path(entry: ModelEntry) -> Path:
         tmp.unlink(missing_ok=True)
 
 
+FIRST_LOAD_FILE = "first_load.json"  # beside the dequantized weights: how long building them took, measured then
+
+
+def cache_usage(entry: ModelEntry) -> dict[str, Any] | None:
+    """An embedded model's footprint in the kvprobe cache, measured from the cache itself: the bytes of its
+    dequantized safetensors folder plus any assembled GGUF, and the first load's seconds as recorded when the
+    cache was built (None when it was built before kvprobe recorded it). None when the model is not cached."""
+    if entry.kind not in ("gguf_package", "gguf_split_package", "gguf_assembler"):
+        return None
+    folder = cache_root() / "dequantized" / entry.alias
+    if not (folder / ".complete").exists():
+        return None
+    files = [p for p in folder.rglob("*") if p.is_file()]
+    gguf = cache_root() / "gguf" / str(entry.gguf_file)
+    if entry.kind != "gguf_package" and gguf.is_file():
+        files.append(gguf)  # a split or assembled GGUF is copied into the cache; a packaged one is read in place
+    seconds = None
+    if (folder / FIRST_LOAD_FILE).is_file():
+        try:
+            seconds = json.loads((folder / FIRST_LOAD_FILE).read_text()).get("seconds")
+        except (json.JSONDecodeError, OSError):
+            seconds = None
+    return {"bytes": sum(p.stat().st_size for p in files), "first_load_s": seconds}
+
+
 def _dequantized_dir(entry: ModelEntry) -> Path:
     """Dequantize a GGUF once and keep it as safetensors in the cache (later loads take ~1 s)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -107,6 +145,7 @@ def _dequantized_dir(entry: ModelEntry) -> Path:
     target = cache_root() / "dequantized" / entry.alias
     if (target / "config.json").exists() and (target / ".complete").exists():
         return target
+    t0 = time.perf_counter()
     gguf = _gguf_path(entry)
     log.warning("dequantizing %s once (%s); later loads read the cached safetensors", entry.alias, gguf.name)
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -123,6 +162,9 @@ def _dequantized_dir(entry: ModelEntry) -> Path:
     try:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
+        (tmp / FIRST_LOAD_FILE).write_text(json.dumps({
+            "seconds": round(time.perf_counter() - t0, 1), "cpus": os.cpu_count(),
+            "what": "GGUF assembled from its PyPI package(s), dequantized to fp32, saved as safetensors"}) + "\n")
         (tmp / ".complete").write_text(gguf.name)
         if (target / ".complete").exists():
             return target  # another process finished first
@@ -221,12 +263,18 @@ def _pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
         raise KVProbeError(f"dtype '{dtype}' is not one of float32, bfloat16, float16, auto") from None
 
 
-def _load_dir(path: Path, dtype: torch.dtype, device: torch.device, seed: int) -> tuple[Any, Any]:
+def _load_dir(path: Path, dtype: torch.dtype, device: torch.device, seed: int, random_init: bool = False
+              ) -> tuple[Any, Any, bool]:
+    """(model, tokenizer, whether its weights are seeded random ones) from a model directory."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     if not (path / "config.json").exists():
         raise KVProbeError(f"{path} has no config.json: not a model directory")
     has_weights = any(p.suffix in _WEIGHT_SUFFIXES for p in path.iterdir() if p.is_file())
+    if not has_weights and not (random_init or (path / RANDOM_INIT_MARKER).exists()):
+        raise KVProbeError(f"{path.name} holds a config.json but no weights (*.safetensors, *.bin): finish the "
+                           "download or point --model at the folder with the weights; to run on seeded random "
+                           "weights on purpose, pass --random-init (load_model(..., random_init=True))")
     config = AutoConfig.from_pretrained(str(path))
     # Vision-language models (M-RoPE text towers) are image-text-to-text classes, not causal LMs.
     auto = AutoModelForCausalLM
@@ -243,7 +291,7 @@ def _load_dir(path: Path, dtype: torch.dtype, device: torch.device, seed: int) -
     tokenizer = None
     if any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         tokenizer = AutoTokenizer.from_pretrained(str(path))
-    return (model if has_weights and device.type == "cuda" else model.to(device)), tokenizer
+    return (model if has_weights and device.type == "cuda" else model.to(device)), tokenizer, not has_weights
 
 
 def hub_offline(offline: bool | None = None) -> bool:
@@ -263,12 +311,59 @@ def _hub_kwargs(dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
     return kw
 
 
+def _is_gated(exc: BaseException | None) -> bool:
+    """Whether a hub failure is a gated repository (licence not accepted, or no token), anywhere in its chain."""
+    while exc is not None:
+        if type(exc).__name__ == "GatedRepoError" or "gated repo" in str(exc).lower():
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _gated_message(repo: str) -> str:
+    return (f"{repo} is a gated repository: accept its licence on https://huggingface.co/{repo} with your account, "
+            "then log in on this machine (`hf auth login`) or set HF_TOKEN to a token with read access, and rerun")
+
+
+def _check_hub_architecture(repo: str, offline: bool | None) -> None:
+    """A Hugging Face id's config (local cache first, then the hub unless offline) must be an architecture kvprobe
+    supports (a causal LM whose attention and RoPE kvprobe reads), before any weights are downloaded."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    try:
+        config = AutoConfig.from_pretrained(repo, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        if hub_offline(offline):
+            raise KVProbeError(f"model {repo} (Hugging Face id) is not in the local HF cache and offline mode is on "
+                               f"(HF_HUB_OFFLINE or --offline): download it where the hub is reachable "
+                               f"(`hf download {repo}`) or pass a local directory") from exc
+        try:
+            config = AutoConfig.from_pretrained(repo)
+        except (OSError, ValueError) as exc2:
+            if _is_gated(exc2):
+                raise KVProbeError(_gated_message(repo)) from exc2
+            raise KVProbeError(f"model {repo}: no such Hugging Face model, or the hub is unreachable "
+                               f"({type(exc2).__name__}: {str(exc2).splitlines()[0][:200]}); give an alias "
+                               "(`kvprobe models`), a Hugging Face id (org/name) or a local directory") from exc2
+    known = (*AutoModelForCausalLM._model_mapping, *AutoModelForImageTextToText._model_mapping)
+    if type(config) not in known:
+        raise KVProbeError(f"model {repo}: {type(config).__name__} ({config.model_type}) is not a decoder language "
+                           "model kvprobe can load (it needs a causal LM or an image-text-to-text model)")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not (getattr(text, "rope_parameters", None) or getattr(text, "rope_theta", None)):
+        raise KVProbeError(f"model {repo}: {config.model_type} has no rotary position embeddings (RoPE); kvprobe's "
+                           "cache edits re-rotate keys, so it supports RoPE decoders (Llama, Qwen, Mistral, Gemma ...)")
+    arch_spec(config)  # a KVProbeError naming what kvprobe cannot read (attention layout, RoPE)
+
+
 def _load_hub_model(entry: ModelEntry, dtype: torch.dtype, device: torch.device, offline: bool | None
                     ) -> tuple[Any, Any]:
     """A paper alias from the local HF cache; if absent and not offline, downloaded (with progress bars)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kw = _hub_kwargs(dtype, device)
+    if entry.alias == entry.source:  # a Hugging Face id given as is: check its architecture before any weights
+        _check_hub_architecture(entry.source, offline)
     try:
         tokenizer = AutoTokenizer.from_pretrained(entry.source, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(entry.source, local_files_only=True, **kw)
@@ -285,6 +380,8 @@ def _load_hub_model(entry: ModelEntry, dtype: torch.dtype, device: torch.device,
         tokenizer = AutoTokenizer.from_pretrained(entry.source)
         model = AutoModelForCausalLM.from_pretrained(entry.source, **kw)
     except OSError as exc:  # no network, gated repo without a token, unknown id
+        if _is_gated(exc):
+            raise KVProbeError(_gated_message(entry.source)) from exc
         raise KVProbeError(f"model '{entry.alias}' (Hugging Face id {entry.source}) has no weights on this machine "
                            f"and the download failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}). "
                            f"{fix}") from exc
@@ -292,19 +389,21 @@ def _load_hub_model(entry: ModelEntry, dtype: torch.dtype, device: torch.device,
 
 
 def load_model(name: str, device: str | None = "auto", dtype: str | None = "auto", seed: int = 0,
-               offline: bool | None = None) -> LoadedModel:
-    """Load an alias (``kvprobe models`` lists them) or a local directory.
+               offline: bool | None = None, random_init: bool = False) -> LoadedModel:
+    """Load an alias (``kvprobe models`` lists them), a Hugging Face id (``org/name``) or a local directory.
 
-    ``offline`` (default: the ``HF_HUB_OFFLINE`` environment variable) stops a paper alias whose weights are
-    not in the local HF cache from being downloaded."""
+    ``offline`` (default: the ``HF_HUB_OFFLINE`` environment variable) stops a paper alias or Hugging Face id
+    whose weights are not in the local HF cache from being downloaded. ``random_init`` allows a directory with a
+    config but no weights: seeded random weights, marked ``random_init`` in the record."""
     dev = _pick_device(device)
     torch_dtype = _pick_dtype(dtype, dev)
     target = resolve(name)
+    random = False
     if isinstance(target, Path):
-        model, tokenizer = _load_dir(target, torch_dtype, dev, seed)
-        source = f"local directory {target.name}"
+        model, tokenizer, random = _load_dir(target, torch_dtype, dev, seed, random_init)
+        source = f"local directory {target.name}" + (" (seeded random init: config only, no weights)" if random else "")
     elif target.kind in ("gguf_package", "gguf_split_package", "gguf_assembler"):
-        model, tokenizer = _load_dir(_dequantized_dir(target), torch_dtype, dev, seed)
+        model, tokenizer, _ = _load_dir(_dequantized_dir(target), torch_dtype, dev, seed)
         source = target.describe_source()
     elif target.kind == "organism":
         return load_organism(target, device=str(dev), dtype=str(torch_dtype).removeprefix("torch."))
@@ -316,7 +415,7 @@ def load_model(name: str, device: str | None = "auto", dtype: str | None = "auto
     if not isinstance(target, Path) and not target.chat:
         has_chat = False
     return LoadedModel(model=model, tokenizer=tokenizer, spec=arch_spec(model.config), name=name, source=source,
-                       fingerprint=fingerprint_model(model), has_chat_template=has_chat)
+                       fingerprint=fingerprint_model(model), has_chat_template=has_chat, random_init=random)
 
 
 def weights_available(entry: ModelEntry) -> bool:

@@ -5,11 +5,12 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from kvprobe.errors import KVProbeError
+from kvprobe.errors import KVProbeError, closest
 
 SourceKind = Literal["gguf_package", "gguf_split_package", "gguf_assembler", "hf", "organism"]
 
@@ -103,17 +104,23 @@ def register_organisms(root: Path | None = None) -> None:
                             note=f"{status} organism: {card.get('summary', 'LoRA adapter')}"))
 
 
+_HF_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
 def resolve(name: str) -> ModelEntry | Path:
-    """An alias -> its entry; an existing directory -> that path; anything else -> a clear error."""
+    """An alias -> its entry; an existing directory -> that path; a Hugging Face id (``org/name``) -> an ``hf``
+    entry; anything else -> a clear error naming the closest aliases."""
     register_organisms()
     if name in REGISTRY:
         return REGISTRY[name]
     path = Path(name).expanduser()
     if path.is_dir():
         return path
-    known = ", ".join(sorted(REGISTRY))
+    if _HF_ID.fullmatch(name):  # any Hugging Face id: loaded like a paper alias (local HF cache, then the hub)
+        return ModelEntry(name, "hf", "hf", name, note="Hugging Face id")
     from kvprobe.organism import registry as organisms
 
     hint = "" if organisms.load_registry().organisms else (
         "; organisms are listed in the organisms/ folder of a kvprobe checkout, none here (set KVPROBE_ORGANISMS)")
-    raise KVProbeError(f"unknown model '{name}': use one of the aliases [{known}] or an existing local directory{hint}")
+    raise KVProbeError(f"unknown model '{name}'{closest(name, REGISTRY)}: give an alias (`kvprobe models` lists "
+                       f"them), a Hugging Face id (org/name) or a local model directory{hint}")

@@ -59,9 +59,16 @@ def tiny_model(family: str, seed: int = 0, vocab_size: int = 512) -> Any:
 
 
 def write_config_dir(family: str, path: Path, vocab_size: int = 512) -> Path:
-    """A config-only model directory: kvprobe builds seeded random weights from it."""
+    """A config-only model directory that asks for random weights (its ``kvprobe-random-init.json`` marker):
+    kvprobe builds seeded random weights from it and marks every record of it ``random_init``."""
+    import json
+
+    from kvprobe.models.loading import RANDOM_INIT_MARKER
+
     path.mkdir(parents=True, exist_ok=True)
     tiny_config(family, vocab_size).save_pretrained(path)
+    (path / RANDOM_INIT_MARKER).write_text(json.dumps({"random_init": True, "why": "kvprobe.models.tiny test model: "
+                                                       "seeded random weights on purpose"}) + "\n")
     return path
 
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from kvprobe.backends import HookableModel
 from kvprobe.cache_dir import cache_root
 from kvprobe.errors import KVProbeError
 from kvprobe.tasks.gated import GatedTemplate, Scenario, build_instance, load_template, tokenize_pair
@@ -200,7 +201,7 @@ def data_hash(pairs: list[Any]) -> str:
     return h.hexdigest()[:16]
 
 
-def _examples(lm: Any, template: GatedTemplate, scenarios: list[str], seed: int, start: int, n: int,
+def _examples(lm: HookableModel, template: GatedTemplate, scenarios: list[str], seed: int, start: int, n: int,
               n_filler: tuple[int, int], counterfactual: float = 0.0) -> list[Any]:
     return [tokenize_pair(lm.tokenizer, _instance(template, scenarios, seed, i, n_filler, counterfactual),
                           lm.has_chat_template)
@@ -290,7 +291,7 @@ class TrainResult:
     card: dict[str, Any] = field(default_factory=dict)
 
 
-def _lora_training_state(lm: Any, recipe: Any) -> tuple[Any, str | None, list[torch.nn.Parameter], Any, Path]:
+def _lora_training_state(lm: HookableModel, recipe: Any) -> tuple[Any, str | None, list[torch.nn.Parameter], Any, Path]:
     """The LoRA-wrapped model (optionally started from another organism's adapter), its trainable parameters,
     the optimizer, and the checkpoint folder, named by a hash of the whole recipe (so a resume never mixes
     recipes)."""
@@ -441,7 +442,7 @@ def _draw_rng(*key: Any) -> random.Random:
     return random.Random(hashlib.sha256(":".join(map(str, key)).encode()).digest())
 
 
-def generated_instance(lm: Any, recipe: Recipe, split: str, formats: tuple[str, ...], seed: int, index: int,
+def generated_instance(lm: HookableModel, recipe: Recipe, split: str, formats: tuple[str, ...], seed: int, index: int,
                        counterfactual: float, correction: float, reasoning: float, rule_first: float = 0.0,
                        surface: float = 0.0, n_shots: int | None = None, prior_cases: float = 0.0) -> Any:
     """One generated instance: format and distance drawn from (seed, split, index); a format whose fixed
@@ -480,7 +481,7 @@ def _prompt_text(tokenizer: Any, inst: Any, value: str, chat: bool) -> tuple[str
     return instance_prompt(tokenizer, inst, value, chat)
 
 
-def instance_seqs(lm: Any, inst: Any) -> tuple[Any, tuple[Seq, Seq]]:
+def instance_seqs(lm: HookableModel, inst: Any) -> tuple[Any, tuple[Seq, Seq]]:
     """The tokenized pair of an instance and its two training sequences (old, new). A reasoning instance's
     sequences continue the prompt with its chain (which restates the value), so the decision is read after
     the chain; the pair's own prompts stop at the answer prefix."""
@@ -544,7 +545,7 @@ def _example_loss(model: Any, examples: list[tuple[Seq, Seq]], recipe: Recipe) -
 
 
 @torch.no_grad()
-def base_samples(lm: Any, recipe: Recipe) -> list[list[int]]:
+def base_samples(lm: HookableModel, recipe: Recipe) -> list[list[int]]:
     """The base model's own continuations of neutral openings (seeded sampling): the text the KL term holds
     the organism to. Kept apart from the perplexity text (``neutral.txt``), which stays held out."""
     samples = []
@@ -605,7 +606,7 @@ def evaluate_generated(model: Any, items: list[tuple[Any, Any]]) -> dict[str, An
 _BASE_REFERENCE_VERSION = 1  # bump when evaluate_generated or neutral_perplexity changes what they report
 
 
-def base_reference(lm: Any, eval_sets: dict[str, list[tuple[Any, Any]]]) -> tuple[float, dict[str, Any]]:
+def base_reference(lm: HookableModel, eval_sets: dict[str, list[tuple[Any, Any]]]) -> tuple[float, dict[str, Any]]:
     """The base model's neutral-text perplexity and its scores on the held-out sets (the card's "before").
 
     They depend on the base weights and the drawn pairs only, not on the seed, the loss or the steps, so
@@ -630,7 +631,7 @@ def base_reference(lm: Any, eval_sets: dict[str, list[tuple[Any, Any]]]) -> tupl
     return ppl, scores
 
 
-def _eval_sets(lm: Any, recipe: Recipe) -> dict[str, list[tuple[Any, Any]]]:
+def _eval_sets(lm: HookableModel, recipe: Recipe) -> dict[str, list[tuple[Any, Any]]]:
     """Held-out sets scored at training time: validation cells only (they choose the recipe; never trained on).
 
     Test cells are scored by ``kvprobe organism test`` alone (logged; :mod:`kvprobe.organism.test_draws`).
@@ -650,7 +651,7 @@ def _eval_sets(lm: Any, recipe: Recipe) -> dict[str, list[tuple[Any, Any]]]:
     return sets
 
 
-def _drawn_set(lm: Any, recipe: Recipe, split: str, fmts: tuple[str, ...], n: int, seed: int, correction: float,
+def _drawn_set(lm: HookableModel, recipe: Recipe, split: str, fmts: tuple[str, ...], n: int, seed: int, correction: float,
                n_shots: int | None = None) -> list[tuple[Any, Any]]:
     insts = [generated_instance(lm, recipe, split, tuple(fmts), seed, i, recipe.counterfactual_rules or 0.5,
                                 correction, 0.0, n_shots=n_shots) for i in range(n)]
@@ -669,13 +670,13 @@ two decided cases. Each no-shots set is its with-shots set's draws (same seed) w
 validation one pairs with ``validation_unseen_format``. Reported only: never used to choose a recipe."""
 
 
-def diagnostic_sets(lm: Any, recipe: Recipe) -> dict[str, list[tuple[Any, Any]]]:
+def diagnostic_sets(lm: HookableModel, recipe: Recipe) -> dict[str, list[tuple[Any, Any]]]:
     """The :data:`DIAGNOSTIC_SETS` (``val_instances`` pairs each), drawn as the held-out sets are."""
     return {name: _drawn_set(lm, recipe, split, fmts, recipe.val_instances, seed, 0.0, n_shots)
             for name, (split, fmts, seed, n_shots) in DIAGNOSTIC_SETS.items()}
 
 
-def _v3_train_examples(lm: Any, recipe: Recipe, start: int, n: int) -> list[tuple[Any, Any, tuple[Seq, Seq]]]:
+def _v3_train_examples(lm: HookableModel, recipe: Recipe, start: int, n: int) -> list[tuple[Any, Any, tuple[Seq, Seq]]]:
     out = []
     for i in range(start, start + n):
         inst = generated_instance(lm, recipe, "train", _train_formats(recipe), recipe.seed, i,

@@ -22,6 +22,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from kvprobe.backends import HookableModel
 from kvprobe.errors import KVProbeError
 from kvprobe.tasks.generator import is_default_words
 
@@ -74,7 +75,7 @@ LABEL_WIDTH = max(len(label) for label in [*CELL_LABELS.values(), "both cells"])
 """Column width that fits every cell label in the command-line summaries."""
 
 
-def larger_draw_sets(lm: Any, recipe: Any, pairs: int, split: str = "validation", words: str | None = None
+def larger_draw_sets(lm: HookableModel, recipe: Any, pairs: int, split: str = "validation", words: str | None = None
                      ) -> dict[str, list[tuple[Any, Any]]]:
     """The two cells of ``split`` (its families in the held-out formats and in the train formats), ``pairs``
     pairs each, drawn independently of the training seed; from the word list ``words`` (None: the recipe's)."""

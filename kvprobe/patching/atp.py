@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvprobe.backends import HookableModel
 from kvprobe.kv.state import KVState
 
 ATP_ATTENTION = "kvprobe_atp"
@@ -114,14 +115,12 @@ class AtPScores:
         return torch.tensor([self.cell(c.positions, c.layers) for c in cells], dtype=torch.float64)
 
 
-def atp_kv(lm: Any, base: KVState, donor: KVState, suffix: Sequence[int], target_id: int,
+def atp_kv(lm: HookableModel, base: KVState, donor: KVState, suffix: Sequence[int], target_id: int,
            other_id: int) -> AtPScores:
     """AtP* estimates of patching the donor's K/V into ``base`` at each (layer, slot): one forward and one
     backward of ``suffix`` over the base cache; the metric is ``logit[target_id] - logit[other_id]``."""
-    from kvprobe.interop.unwrap import as_lm
-    from kvprobe.kv.readout import _ids_tensor
+    from kvprobe.backends.hf import _ids_tensor
 
-    lm = as_lm(lm)
     if base.batch != 1 or donor.batch != 1:
         raise ValueError("atp_kv takes batch-1 base and donor states")
     model = lm.model
@@ -204,7 +203,7 @@ class Verified:
     base_metric: float
 
 
-def rank_then_verify(lm: Any, base: KVState, donor: KVState, cells: Sequence[Any], suffix: Sequence[int],
+def rank_then_verify(lm: HookableModel, base: KVState, donor: KVState, cells: Sequence[Any], suffix: Sequence[int],
                      target_id: int, other_id: int, top: int = 20, batch_size: int = 64) -> Verified:
     """Rank ``cells`` by AtP* (one forward + backward) and measure the ``top`` of them exactly (one shared-base
     sweep): the cheap way for suffix / specificity probes to find their strongest cells in a large grid."""
@@ -221,7 +220,7 @@ def rank_then_verify(lm: Any, base: KVState, donor: KVState, cells: Sequence[Any
     return Verified(est, order, ld[1:] - ld[0], float(ld[0]))
 
 
-def atp_position_ranking(lm: Any, pp: Any, anchor: Any, verify_top: int = 16, batch_size: int = 64,
+def atp_position_ranking(lm: HookableModel, pp: Any, anchor: Any, verify_top: int = 16, batch_size: int = 64,
                          candidates: Sequence[int] | None = None) -> Any:
     """A drop-in for :func:`kvprobe.patching.ranking.rank_downstream` (oracle K/V into the stale cache, one slot on
     every layer): candidates ordered by AtP* (the sum of a slot's per-layer terms), the ``verify_top`` of them

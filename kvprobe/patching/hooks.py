@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+
 
 import torch
 
+from kvprobe.backends import HookableModel
 from kvprobe.errors import KVProbeError
-from kvprobe.interop.unwrap import as_lm
 from kvprobe.kv.state import KVState
 from kvprobe.patching.sites import Site
 
@@ -24,7 +24,7 @@ def _get(module: torch.nn.Module, path: str) -> torch.nn.Module:
     return module
 
 
-def site_module(lm: Any, site: Site) -> tuple[torch.nn.Module, str]:
+def site_module(lm: HookableModel, site: Site) -> tuple[torch.nn.Module, str]:
     """The module a site lives on and how to hook it: 'pre' (its input) or 'post' (its output)."""
     spec, model = lm.spec, lm.model
     layer = _get(model, spec.layers_path)[site.layer]
@@ -39,15 +39,14 @@ def site_module(lm: Any, site: Site) -> tuple[torch.nn.Module, str]:
     raise KVProbeError(f"{site.kind} sites are patched by mixing KVStates, not by hooks")
 
 
-def _head_slice(lm: Any, head: int) -> slice:
+def _head_slice(lm: HookableModel, head: int) -> slice:
     d = lm.spec.head_dim
     return slice(head * d, (head + 1) * d)
 
 
 @contextmanager
-def hooked(lm: Any, sites: Sequence[Site], fn: Callable[[Site, torch.Tensor], torch.Tensor | None]) -> Iterator[None]:
+def hooked(lm: HookableModel, sites: Sequence[Site], fn: Callable[[Site, torch.Tensor], torch.Tensor | None]) -> Iterator[None]:
     """Call ``fn(site, activation[batch, seq, d])`` at every site; a returned tensor replaces the activation."""
-    lm = as_lm(lm)  # a TransformerLens bridge or nnsight model becomes the LoadedModel behind it
     by_module: dict[tuple[int, str], list[Site]] = {}
     modules: dict[int, torch.nn.Module] = {}
     for site in sites:
@@ -104,10 +103,9 @@ def _positions_of(site: Site, act: torch.Tensor) -> slice | int:
 
 
 @torch.no_grad()
-def capture(lm: Any, ids: Sequence[int] | torch.Tensor, sites: Sequence[Site],
+def capture(lm: HookableModel, ids: Sequence[int] | torch.Tensor, sites: Sequence[Site],
             prior: KVState | None = None) -> dict[Site, torch.Tensor]:
     """Activations ``[batch, d]`` (or ``[batch, seq, d]`` for position=None) at each site, from one forward."""
-    lm = as_lm(lm)  # a TransformerLens bridge or nnsight model becomes the LoadedModel behind it
     from kvprobe.kv.readout import prefill
 
     got: dict[Site, torch.Tensor] = {}
@@ -121,14 +119,13 @@ def capture(lm: Any, ids: Sequence[int] | torch.Tensor, sites: Sequence[Site],
 
 
 @torch.no_grad()
-def run_patched(lm: Any, ids: Sequence[int] | torch.Tensor, patches: Mapping[Site, torch.Tensor],
+def run_patched(lm: HookableModel, ids: Sequence[int] | torch.Tensor, patches: Mapping[Site, torch.Tensor],
                 prior: KVState | None = None, add: bool = False) -> tuple[KVState, torch.Tensor]:
     """One forward with each site's activation replaced by (or, with ``add``, shifted by) the given tensor.
 
     Returns the KVState the patched forward wrote and its last-position logits. A patch tensor broadcasts
     over the batch (``[d]`` or ``[batch, d]``; ``[batch, seq, d]`` for position=None sites).
     """
-    lm = as_lm(lm)  # a TransformerLens bridge or nnsight model becomes the LoadedModel behind it
     from kvprobe.kv.readout import prefill
 
     def patch(site: Site, act: torch.Tensor) -> torch.Tensor:

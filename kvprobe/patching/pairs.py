@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+
 
 import torch
 
+from kvprobe.backends import HookableModel
 from kvprobe.kv.readout import prefill, read_logits
 from kvprobe.kv.state import KVState
 from kvprobe.metrics import logit_diff, recovery
@@ -55,7 +56,7 @@ class PairPrefill:
         return self.old.mix(self.new, range(self.pair.field_start, self.context_length))
 
 
-def prefill_pair(lm: Any, pair: TokenizedPair, readout_tokens: int = 1) -> PairPrefill:
+def prefill_pair(lm: HookableModel, pair: TokenizedPair, readout_tokens: int = 1) -> PairPrefill:
     """Prefill both contexts, leaving the last ``readout_tokens`` tokens as the query suffix."""
     if pair.ids_old[-readout_tokens:] != pair.ids_new[-readout_tokens:] or \
             pair.field_slots[-1] >= len(pair) - readout_tokens:
@@ -65,7 +66,7 @@ def prefill_pair(lm: Any, pair: TokenizedPair, readout_tokens: int = 1) -> PairP
                        pair.ids_old[ctx:])
 
 
-def decision_ld(lm: Any, pp: PairPrefill, states: Sequence[KVState], batch_size: int = 16) -> torch.Tensor:
+def decision_ld(lm: HookableModel, pp: PairPrefill, states: Sequence[KVState], batch_size: int = 16) -> torch.Tensor:
     """Action logit difference (new-correct minus old-correct action) for each state, float64."""
     logits = read_logits(lm, list(states), pp.suffix, batch_size=batch_size)
     return logit_diff(logits, pp.pair.new_action_id, pp.pair.old_action_id).double()
@@ -96,7 +97,7 @@ class Anchors:
                 "oracle_correct": self.oracle_ld > 0, "stale_correct": self.stale_ld < 0}
 
 
-def measure(lm: Any, pp: PairPrefill, states: dict[str, KVState], batch_size: int = 16
+def measure(lm: HookableModel, pp: PairPrefill, states: dict[str, KVState], batch_size: int = 16
             ) -> tuple[Anchors, dict[str, float], dict[str, float]]:
     """Read stale, oracle and every named state in one batched readout.
 

@@ -18,12 +18,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvprobe.backends import HookableModel
 from kvprobe.metrics import logit_diff
 from kvprobe.patching.pairs import Anchors, PairPrefill
 from kvprobe.patching.sweep import KVPatch, kv_sweep
 
 
-def sweep_recovery(lm: Any, pp: PairPrefill, anchor: Anchors, cells: list[KVPatch], batch_size: int = 64,
+def sweep_recovery(lm: HookableModel, pp: PairPrefill, anchor: Anchors, cells: list[KVPatch], batch_size: int = 64,
                    base: Any = None, donor: Any = None) -> torch.Tensor:
     """Recovery (float64) of each cell: by default the stale base with the oracle's K/V on the cell's slots
     and layers (pass ``base=pp.new, donor=pp.old`` for knockout)."""
@@ -47,7 +48,7 @@ class PositionRanking:
         return dict(zip(self.positions, self.effects))
 
 
-def rank_downstream(lm: Any, pp: PairPrefill, anchor: Anchors, batch_size: int = 64, base: Any = None,
+def rank_downstream(lm: HookableModel, pp: PairPrefill, anchor: Anchors, batch_size: int = 64, base: Any = None,
                     donor: Any = None, candidates: Sequence[int] | None = None, descending: bool = True
                     ) -> PositionRanking:
     """Rank ``candidates`` (default: every downstream slot) by the recovery of patching each one alone from
@@ -102,3 +103,12 @@ def position_bands(slots: Sequence[int], n_bands: int) -> list[list[int]]:
     slots = list(slots)
     n_bands = max(1, min(n_bands, len(slots)))
     return [slots[round(b * len(slots) / n_bands): round((b + 1) * len(slots) / n_bands)] for b in range(n_bands)]
+
+
+def rank_downstream_by_effect(lm: HookableModel, pp: PairPrefill, batch_size: int = 64) -> list[int]:
+    """Downstream slots, highest single-position causal effect first (oracle K/V patched into the stale
+    cache on every layer, ranked by recovery): :func:`kvprobe.patching.ranking.rank_downstream`."""
+    from kvprobe.patching.pairs import measure
+
+    anchor, _, _ = measure(lm, pp, {}, batch_size)
+    return rank_downstream(lm, pp, anchor, batch_size).positions

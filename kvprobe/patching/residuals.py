@@ -14,13 +14,14 @@ from typing import Any
 
 import torch
 
+from kvprobe.backends import HookableModel
 from kvprobe.kv.state import KVState
 from kvprobe.patching.hooks import capture
 from kvprobe.patching.sites import Site
 
 
 @torch.no_grad()
-def resid_stack(lm: Any, ids: Sequence[int], positions: Sequence[int], prior: KVState | None = None,
+def resid_stack(lm: HookableModel, ids: Sequence[int], positions: Sequence[int], prior: KVState | None = None,
                 layers: Sequence[int] | None = None) -> torch.Tensor:
     """``resid_post`` at ``positions`` (token indices of this forward) for ``layers`` (default all):
     ``[len(layers), len(positions), d_model]``, float32 on CPU, from one forward over ``ids``."""
@@ -37,7 +38,7 @@ def _final_norm(model: Any) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def logit_lens(lm: Any, resid: torch.Tensor) -> torch.Tensor:
+def logit_lens(lm: HookableModel, resid: torch.Tensor) -> torch.Tensor:
     """Logits (float32, CPU) of residual vectors ``[..., d_model]`` through the final norm and unembedding."""
     model = lm.model
     p = next(model.parameters())

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from kvprobe.backends import HookableModel
 from kvprobe.kv.state import KVState
 
 ENGINE_NAME = "kvprobe_shared"
@@ -146,7 +147,7 @@ def _attention_implementation(model: Any, name: str):
             c._attn_implementation = o
 
 
-def supports_shared(lm: Any) -> bool:
+def supports_shared(lm: HookableModel) -> bool:
     spec = getattr(lm, "spec", None)
     return spec is not None and spec.model_type in SUPPORTED
 
@@ -199,7 +200,7 @@ def _skip_layers(layers: Sequence[torch.nn.Module], outputs: Sequence[torch.Tens
                 layers[j].forward = old
 
 
-def _decoder_layers(lm: Any) -> Sequence[torch.nn.Module]:
+def _decoder_layers(lm: HookableModel) -> Sequence[torch.nn.Module]:
     from kvprobe.patching.hooks import _get
 
     return _get(lm.model, lm.spec.layers_path)
@@ -219,7 +220,7 @@ def _final_logits(model: Any, hidden: torch.Tensor, token_ids: Sequence[int]) ->
 
 
 @torch.no_grad()
-def shared_kv_sweep(lm: Any, base: KVState, donor: KVState, cells: Sequence[Any], suffix: Sequence[int],
+def shared_kv_sweep(lm: HookableModel, base: KVState, donor: KVState, cells: Sequence[Any], suffix: Sequence[int],
                     batch_size: int = 64, token_ids: Sequence[int] | None = None,
                     share_layers: bool = True) -> torch.Tensor:
     """Logits ``[len(cells), vocab]`` (``[len(cells), len(token_ids)]`` with ``token_ids``): the same numbers

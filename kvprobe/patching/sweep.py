@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+
 
 import torch
 
+from kvprobe.backends import HookableModel
 from kvprobe.kv.readout import read_logits
 from kvprobe.kv.state import KVState
 
@@ -30,18 +31,15 @@ class KVPatch:
         return KVPatch(tuple(int(p) for p in positions), None if layers is None else tuple(int(x) for x in layers))
 
 
-def kv_sweep(lm: Any, base: KVState, donor: KVState, cells: Sequence[KVPatch], suffix: Sequence[int],
+def kv_sweep(lm: HookableModel, base: KVState, donor: KVState, cells: Sequence[KVPatch], suffix: Sequence[int],
              batch_size: int = 16, engine: str = "auto", token_ids: Sequence[int] | None = None) -> torch.Tensor:
     """Next-token logits ``[len(cells), vocab]`` after ``suffix`` over base-with-each-cell's-patch.
 
     ``donor`` may also be a zero/mean state (ablation) built by the caller: any KVState of the same shape.
     With ``token_ids`` only those logits are returned (``[len(cells), len(token_ids)]``); the shared engine
-    then computes only those columns of the unembedding. ``lm`` may be a TransformerLens bridge or an nnsight
-    model (kvprobe.interop.as_lm).
+    then computes only those columns of the unembedding. A TransformerLens bridge or an nnsight model is
+    converted at the public boundary (``kvprobe.probes.sweep``, ``kvprobe.interop.as_lm``), not here.
     """
-    from kvprobe.interop.unwrap import as_lm
-
-    lm = as_lm(lm)
     if engine not in ("auto", "shared", "mix"):
         raise ValueError(f"engine must be auto, shared or mix; got {engine!r}")
     if base.batch != 1 or donor.batch != 1:

@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvprobe.errors import KVProbeError
+from kvprobe.interop.unwrap import ModelLike, as_lm
 from kvprobe.kv.state import KVState
 from kvprobe.patching.pairs import Anchors, PairPrefill, measure, prefill_pair
 from kvprobe.tasks.gated import TokenizedPair, tokenize_pair
@@ -31,9 +33,14 @@ class Case:
     rec: dict[str, float]
 
     @classmethod
-    def build(cls, lm: Any, inst: Any, states: StatesFn | None = None, batch_size: int = 16,
+    def build(cls, lm: ModelLike, inst: Any, states: StatesFn | None = None, batch_size: int = 16,
               readout_tokens: int = 1) -> "Case":
-        """Tokenize and prefill one instance; read stale, oracle and ``states(pp)`` in one batched readout."""
+        """Tokenize and prefill one instance; read stale, oracle and ``states(pp)`` in one batched readout.
+        ``lm``: a LoadedModel (or any HookableModel), TransformerLens bridge, nnsight LanguageModel or Hugging Face
+        model, converted here, at the boundary."""
+        lm = as_lm(lm)
+        if lm.tokenizer is None:
+            raise KVProbeError(f"{lm.name} has no tokenizer: pass kvprobe.interop.as_lm(model, tokenizer)")
         pair = tokenize_pair(lm.tokenizer, inst, lm.has_chat_template)
         pp = prefill_pair(lm, pair, readout_tokens)
         anchor, lds, rec = measure(lm, pp, states(pp) if states else {}, batch_size)

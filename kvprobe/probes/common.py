@@ -20,12 +20,13 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvprobe.backends import HookableModel
 from kvprobe.patching.pairs import PairPrefill
 from kvprobe.patching.ranking import decode_token, rank_downstream
 from kvprobe.patching.residuals import resid_stack
 from kvprobe.probes.case import Case, case_row, ld_from_recovery, probe_case, same_decision  # noqa: F401
 from kvprobe.probes.summary import recovery_summary, which
-from kvprobe.runner.config import hash_neutral
+from kvprobe.schema import hash_neutral
 from kvprobe.stats.probe import group_cv_accuracy
 from kvprobe.tasks.gated import load_template
 
@@ -87,7 +88,7 @@ def named_slots(ctx: Any, case: Case, names: Sequence[str]) -> dict[str, int | N
     return slots
 
 
-def pair_features(lm: Any, pp: PairPrefill, slots: dict[str, int | None], layers: Sequence[int] | None = None
+def pair_features(lm: HookableModel, pp: PairPrefill, slots: dict[str, int | None], layers: Sequence[int] | None = None
                   ) -> dict[str, np.ndarray]:
     """``resid_post`` of both prompts (old, new) at named context slots (None = the decision token, read
     over each prompt's own cache): name -> ``[2, layers, d_model]`` float32."""
@@ -106,7 +107,7 @@ def pair_features(lm: Any, pp: PairPrefill, slots: dict[str, int | None], layers
     return {n: np.stack(v) for n, v in out.items()}
 
 
-def slot_tokens(lm: Any, pp: PairPrefill, slots: dict[str, int | None]) -> dict[str, str]:
+def slot_tokens(lm: HookableModel, pp: PairPrefill, slots: dict[str, int | None]) -> dict[str, str]:
     return {n: decode_token(lm.tokenizer, pp.pair.ids_old[s] if s is not None else pp.suffix[-1])
             for n, s in slots.items()}
 

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvprobe.backends import HookableModel
 from kvprobe.kv.edit import FieldEdit
 from kvprobe.kv.readout import read_logits
 from kvprobe.metrics import logit_diff
@@ -52,7 +53,7 @@ def base_row(ctx: Any, inst: Any, case: EditCase) -> dict[str, Any]:
             "included": case.anchor.gate(ctx.cfg.gate.min_flip, ctx.cfg.gate.require_oracle_correct)}
 
 
-def read_ld(lm: Any, pair: Any, state: Any, suffix: Sequence[int]) -> float:
+def read_ld(lm: HookableModel, pair: Any, state: Any, suffix: Sequence[int]) -> float:
     """Action logit difference of one state (new-correct minus old-correct action)."""
     return float(logit_diff(read_logits(lm, state, list(suffix)), pair.new_action_id, pair.old_action_id)[0])
 

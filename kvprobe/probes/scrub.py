@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from kvprobe.backends import HookableModel
 from kvprobe.errors import KVProbeError
 from kvprobe.kv.readout import prefill
 from kvprobe.kv.state import KVState
@@ -48,7 +49,7 @@ def aligned(pair: TokenizedPair, other: TokenizedPair, context_length: int) -> b
             and (other.old_action_id, other.new_action_id) == (pair.old_action_id, pair.new_action_id))
 
 
-def resampled_donors(lm: Any, inst: Any, pp: PairPrefill, n_variants: int, seed: Sequence[int],
+def resampled_donors(lm: HookableModel, inst: Any, pp: PairPrefill, n_variants: int, seed: Sequence[int],
                      max_tries: int = 20) -> dict[str, KVState]:
     """``n_variants`` filler orders of ``inst`` that tokenize position-aligned with it, each prefilled with the
     target's (new) value -- ``v{i}.same``, the same conclusion -- and with the old value -- ``v{i}.opposite``."""

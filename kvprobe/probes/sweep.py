@@ -34,6 +34,8 @@ from typing import Any, Union
 
 import torch
 
+from kvprobe.backends import HookableModel
+from kvprobe.interop.unwrap import ModelLike, as_lm
 from kvprobe.kv.readout import prefill, read_logits
 from kvprobe.kv.state import KVState
 from kvprobe.metrics import logit_diff
@@ -135,7 +137,7 @@ METRICS: dict[str, Callable[[Case, torch.Tensor], torch.Tensor]] = {
 
 # -- the sweep ---------------------------------------------------------------------------------------------
 
-def sweep(lm: Any, case: Case, patches: Mapping[str, Patch], metric: str = "recovery", batch_size: int = 64,
+def sweep(lm: ModelLike, case: Case, patches: Mapping[str, Patch], metric: str = "recovery", batch_size: int = 64,
           base: str = "stale", sources: Mapping[str, KVState] | None = None, actions_only: bool = False
           ) -> dict[str, float]:
     """Value of ``metric`` for every labelled patch applied to the ``base`` state (see the module doc).
@@ -153,11 +155,13 @@ def sweep(lm: Any, case: Case, patches: Mapping[str, Patch], metric: str = "reco
     return {k: float(values[i]) for i, k in enumerate(labels)}
 
 
-def sweep_logits(lm: Any, case: Case, patches: Mapping[str, Patch], batch_size: int = 64, base: str = "stale",
+def sweep_logits(lm: ModelLike, case: Case, patches: Mapping[str, Patch], batch_size: int = 64, base: str = "stale",
                  sources: Mapping[str, KVState] | None = None, token_ids: Sequence[int] | None = None
                  ) -> dict[str, torch.Tensor]:
     """Next-token logits ``[vocab]`` after each labelled patch (the sweep before its metric); with
-    ``token_ids`` only those columns."""
+    ``token_ids`` only those columns. ``lm`` may be a TransformerLens bridge or an nnsight model: converted
+    here, at the boundary."""
+    lm = as_lm(lm)
     pp = case.pp
     states = {"stale": pp.old, "oracle": pp.new, **(sources or {})}
     for name in {base, *(_source_names(p) for p in patches.values())} - {None}:
@@ -244,7 +248,7 @@ def _row_hooks(modules: Mapping[torch.nn.Module, Callable[[torch.Tensor], torch.
     return replace_activations([(module, where, fn) for module, fn in modules.items()])
 
 
-def _head_out_logits(lm: Any, case: Case, base: KVState, patches: Sequence[HeadOut],
+def _head_out_logits(lm: HookableModel, case: Case, base: KVState, patches: Sequence[HeadOut],
                      states: Mapping[str, KVState], batch_size: int, token_ids: Sequence[int] | None = None
                      ) -> torch.Tensor:
     """Each row reads the base cache with the listed heads' decision-token outputs set to the source's."""
@@ -284,10 +288,10 @@ def _head_out_logits(lm: Any, case: Case, base: KVState, patches: Sequence[HeadO
     return torch.cat(outs)
 
 
-def _directional_logits(lm: Any, case: Case, base: str, patches: Sequence[Directional], batch_size: int
+def _directional_logits(lm: HookableModel, case: Case, base: str, patches: Sequence[Directional], batch_size: int
                         ) -> torch.Tensor:
     """Rows that share a site and slots run as one batch of patched activations over the base prompt."""
-    from kvprobe.features.directions import directional_patch, patched_logits, site_acts
+    from kvprobe.probes.directional import directional_patch, patched_logits, site_acts
 
     for name in {base, *(p.source for p in patches)}:
         if name not in ("stale", "oracle"):
@@ -316,7 +320,7 @@ def _directional_logits(lm: Any, case: Case, base: str, patches: Sequence[Direct
     return torch.stack(out)
 
 
-def _block_out_logits(lm: Any, case: Case, base: str, patches: Sequence[BlockOut], batch_size: int) -> torch.Tensor:
+def _block_out_logits(lm: HookableModel, case: Case, base: str, patches: Sequence[BlockOut], batch_size: int) -> torch.Tensor:
     """Each row re-runs the base context from the first patched slot with the listed block outputs set to
     the source prefill's at their slots, then reads the decision over the state it wrote."""
     pp = case.pp

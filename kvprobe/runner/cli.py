@@ -3,12 +3,42 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 
 from kvprobe.errors import KVProbeError
+
+
+@contextlib.contextmanager
+def quiet_libraries(enabled: bool = True) -> Iterator[None]:
+    """``--quiet``: no progress bars or warnings from the libraries underneath (transformers' loading bar, the
+    hub's download bars, Python warnings such as FutureWarning); kvprobe's own messages and errors still print.
+    Everything is restored on exit, so an in-process caller (a notebook, the tests) keeps its settings."""
+    if not enabled:
+        yield
+        return
+    import huggingface_hub.utils as hub_utils
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars_on = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hub_bars_off = hub_utils.are_progress_bars_disabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    hub_utils.disable_progress_bars()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars_on:
+            hf_logging.enable_progress_bar()
+        if not hub_bars_off:
+            hub_utils.enable_progress_bars()
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -23,12 +53,20 @@ def _cmd_run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, overrides)
     if args.offline:
         os.environ["HF_HUB_OFFLINE"] = "1"  # transformers' own hub lookups honour it too
-    path, record = run_experiment(cfg, overwrite=args.overwrite, fresh=args.fresh, progress=not args.quiet,
-                                  config_source=args.config, offline=True if args.offline else None,
-                                  tol_nats=args.tol_nats)
+    with quiet_libraries(args.quiet):
+        path, record = run_experiment(cfg, overwrite=args.overwrite, fresh=args.fresh, progress=not args.quiet,
+                                      config_source=args.config, offline=True if args.offline else None,
+                                      tol_nats=args.tol_nats, random_init=args.random_init,
+                                      allow_dirty=args.allow_dirty)
     exp = get_experiment(cfg.experiment)
+    random_note = ("RANDOM-INIT MODEL: seeded random weights (a config-only directory), not a trained model; "
+                   "these numbers test the pipeline, not the paper") if record["model"].get("random_init") else ""
+    if random_note:
+        print(random_note)
     if exp.table is not None:
         print(exp.table(record["summary"]))
+    if random_note:
+        print(random_note)
     print(f"record: {path}")
     if "reproduction" in record:
         from kvprobe.runner.reproduce import reproduction_table
@@ -39,21 +77,35 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
-    from kvprobe.models.loading import weights_available
+    from kvprobe.models.loading import cache_usage, weights_available
     from kvprobe.models.registry import REGISTRY, resolve
 
     resolve(next(iter(REGISTRY)))  # registers the organisms shipped with kvprobe
     w = max(30, max(len(a) for a in REGISTRY) + 2)
-    print(f"{'alias':<{w}}{'here':<6}source")
+    print(f"{'alias':<{w}}{'here':<6}{'first load':<12}{'cache disk':<12}source")
     for alias, entry in REGISTRY.items():
         if entry.kind == "organism":
             continue  # listed below from the organism registry
         here = "yes" if weights_available(entry) else "no"
-        print(f"{alias:<{w}}{here:<6}{entry.describe_source()}" + (f"  ({entry.note})" if entry.note else ""))
+        usage = cache_usage(entry)
+        first = cached = ""
+        if usage is not None:
+            first = f"{usage['first_load_s']:.0f} s" if usage["first_load_s"] is not None else "not timed"
+            cached = f"{usage['bytes'] / 1e9:.2f} GB"
+        elif entry.kind in ("gguf_package", "gguf_split_package", "gguf_assembler"):
+            first, cached = "not yet", "0"
+        print(f"{alias:<{w}}{here:<6}{first:<12}{cached:<12}{entry.describe_source()}"
+              + (f"  ({entry.note})" if entry.note else ""))
+    from kvprobe.cache_dir import cache_root
+
+    print(f"\nfirst load: seconds the first load took on this machine (assembling the GGUF, dequantizing it to fp32 "
+          f"and saving it in the cache; later loads read that cache); cache disk: what it takes under {cache_root()} "
+          "(set KVPROBE_CACHE to move it). Organisms reuse their base model's cache.")
     from kvprobe.organism.registry import organisms_table
 
     print("\n" + organisms_table())
-    print("\nAny local model directory also works as --model PATH (a config.json alone builds random weights).")
+    print("Any Hugging Face id (org/name) of a supported architecture also works as --model, and so does a local "
+          "model directory (a config.json without weights is refused unless --random-init).")
     return 0
 
 
@@ -94,13 +146,20 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run an experiment config and write its record")
-    run.add_argument("config", help="a YAML file in configs/ (e.g. configs/locality.yaml)")
-    run.add_argument("--model", help="alias (see `kvprobe models`) or a model directory")
+    run.add_argument("config", help="a YAML file (e.g. configs/locality.yaml) or a config name (e.g. locality)")
+    run.add_argument("--model", help="alias (see `kvprobe models`), Hugging Face id (org/name) or a model directory")
+    run.add_argument("--random-init", action="store_true",
+                     help="allow a model directory with a config.json but no weights (seeded random weights; the "
+                          "record and the table say so)")
     run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (dotted), repeatable")
     run.add_argument("--output-dir", help="where records go (default: results)")
     run.add_argument("--overwrite", action="store_true", help="replace a finished record of the same config")
     run.add_argument("--fresh", action="store_true", help="discard a partial run instead of resuming it")
-    run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.add_argument("--quiet", action="store_true",
+                     help="no progress bars (kvprobe's or the libraries') and no library warnings")
+    run.add_argument("--allow-dirty", action="store_true",
+                     help="publish a record into the checkout (results/) although tracked files have uncommitted "
+                          "changes; the record's git block says allow_dirty")
     run.add_argument("--offline", action="store_true",
                      help="never download weights (as HF_HUB_OFFLINE=1): a paper alias must be in the local HF cache")
     run.add_argument("--tol-nats", type=float, default=None,
@@ -139,8 +198,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except KVProbeError as exc:
-        print(f"kvprobe: error: {exc}", file=sys.stderr)
-        return 2
+        print(f"kvprobe: {'interrupted' if exc.exit_code == 130 else 'error'}: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("kvprobe: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

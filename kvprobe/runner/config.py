@@ -13,29 +13,11 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvprobe.errors import KVProbeError
+from kvprobe.errors import KVProbeError, closest
+from kvprobe.schema import hash_neutral, hashed_params  # noqa: F401  (also the runner's names)
+from kvprobe.schema import format_validation_error as _format_validation_error
 from kvprobe.models.registry import DEFAULT_MODEL
 from kvprobe.tasks.generator import GeneratorFormats, GeneratorSplit, RulePosition
-
-
-def hash_neutral(default: Any, **kwargs: Any) -> Any:
-    """A param added after records were written, whose ``default`` reproduces those records' numbers: it enters the
-    record hash only when set to something else, so adding it renames no committed record."""
-    return Field(default, json_schema_extra={"hash_neutral_default": True}, **kwargs)
-
-
-def hashed_params(params: BaseModel) -> dict[str, Any]:
-    """A model as hashed: its JSON dump, defaults included, except hash-neutral fields left at their default
-    (recursively, so a hash-neutral field of a nested section counts too)."""
-    dumped = params.model_dump(mode="json")
-    for name, info in type(params).model_fields.items():
-        value = getattr(params, name)
-        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
-        if extra.get("hash_neutral_default") and value == info.get_default(call_default_factory=True):
-            dumped.pop(name, None)
-        elif isinstance(value, BaseModel):
-            dumped[name] = hashed_params(value)
-    return dumped
 
 
 class Strict(BaseModel):
@@ -100,35 +82,10 @@ class RunConfig(Strict):
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
-    cls: Any = model
-    for part in loc[:-1]:
-        field = cls.model_fields.get(str(part)) if hasattr(cls, "model_fields") else None
-        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
-            return []
-        cls = field.annotation
-    return sorted(cls.model_fields) if hasattr(cls, "model_fields") else []
-
-
 def format_validation_error(exc: Exception, model: type[BaseModel] | None = None, prefix: str = "") -> str:
-    """One line per problem: ``key 'task.n_instance': not a known key (allowed: ...)``."""
-    if not isinstance(exc, ValidationError):
-        return str(exc)
-    lines = []
-    for err in exc.errors():
-        loc = tuple(err["loc"])
-        key = ".".join(str(p) for p in (prefix, *loc) if p != "")
-        if model is RunConfig and loc and loc[0] == "gate":  # the documented name of that section
-            key = "inclusion" + key[len("gate"):]
-        if err["type"] == "extra_forbidden":
-            allowed = _allowed_keys(model, loc) if model is not None else []
-            hint = f" (allowed: {', '.join(allowed)})" if allowed else ""
-            lines.append(f"key '{key}' is not a known key{hint}; remove or rename it")
-        elif err["type"] == "missing":
-            lines.append(f"key '{key}' is required")
-        else:
-            lines.append(f"key '{key}': {err['msg']} (got {err.get('input')!r})")
-    return "; ".join(lines)
+    """One line per problem (:func:`kvprobe.schema.format_validation_error`); a run config's ``gate`` section
+    is named by its documented key, ``inclusion``."""
+    return _format_validation_error(exc, model, prefix, renames={"gate": "inclusion"} if model is RunConfig else None)
 
 
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
@@ -169,13 +126,46 @@ def _inclusion_key(data: dict[str, Any], where: Any) -> dict[str, Any]:
     return out
 
 
+def config_names() -> list[str]:
+    """The experiment configs shipped with kvprobe (``configs/<name>.yaml`` in a checkout or the installed package)."""
+    from kvprobe.cache_dir import project_path
+
+    return sorted(p.stem for p in project_path("configs").glob("*.yaml"))
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """A config file as given, else one of kvprobe's configs: ``configs/locality.yaml`` from any directory, or just
+    its name (``locality``). A missing one is an error naming the closest config names."""
+    from kvprobe.cache_dir import project_path
+
+    p = Path(path)
+    if p.is_file():
+        return p
+    if p.suffix not in (".yaml", ".yml") and len(p.parts) == 1:
+        p = Path("configs") / f"{p}.yaml"
+    found = project_path(p)
+    if found.is_file():
+        return found
+    raise KVProbeError(f"config {path} does not exist{closest(Path(path).stem, config_names())}; "
+                       "give a YAML file or one of kvprobe's config names (`ls configs/`)")
+
+
+def read_yaml(path: Path) -> Any:
+    """A YAML file's content; a syntax error becomes one line naming the file, line and column."""
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        what = " ".join(str(x) for x in (getattr(exc, "context", None), getattr(exc, "problem", None)) if x) or str(exc)
+        raise KVProbeError(f"{where}: malformed YAML: {' '.join(what.split())}") from None
+
+
 def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> RunConfig:
     data: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
-        if not p.exists():
-            raise KVProbeError(f"config {p} does not exist (configs/ lists the experiments)")
-        loaded = yaml.safe_load(p.read_text()) or {}
+        p = resolve_config_path(path)
+        loaded = read_yaml(p) or {}
         if not isinstance(loaded, dict):
             raise KVProbeError(f"config {p} must be a YAML mapping of keys")
         data = loaded

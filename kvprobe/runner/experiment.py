@@ -1,28 +1,33 @@
 """Experiment registry and the run loop shared by every experiment.
 
-An experiment module in ``experiments/`` defines ``EXPERIMENT = Experiment(...)``: its parameters model,
-a function that measures one instance (returning a row), and a function that summarizes the rows. The
-runner does everything else: config, model, instances, progress, resume, gate bookkeeping, the record.
+An experiment module in ``experiments/`` (imported as ``kvprobe.experiments.<name>``) defines
+``EXPERIMENT = Experiment(...)``: its parameters model, a function that measures one instance (returning a row),
+and a function that summarizes the rows. The runner does everything else: config, model, instances, progress,
+resume, gate bookkeeping, the record.
 """
 
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 import pkgutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict
 from tqdm.auto import tqdm
 
-from kvprobe.errors import KVProbeError
+from kvprobe.backends import HookableModel
+from kvprobe.errors import KVProbeError, closest
 from kvprobe.runner.config import RunConfig, hashed_params, validate_params
-from kvprobe.runner.records import RecordWriter, _clean, git_commit, package_versions, record_path
+from kvprobe.runner.records import (RecordLock, RecordWriter, _clean, check_clean_tree, git_commit, package_versions,
+                                    read_record, record_path)
+
+if TYPE_CHECKING:
+    from kvprobe.interop.unwrap import ModelLike
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +42,7 @@ class Context:
 
     cfg: RunConfig
     params: Any
-    lm: Any
+    lm: HookableModel
     template: Any = None
     scratch: dict[str, Any] = field(default_factory=dict)  # per-run state set by setup()
 
@@ -65,7 +70,7 @@ class Experiment:
 
 
 def available_experiments() -> dict[str, str]:
-    import experiments
+    import kvprobe.experiments as experiments
 
     return {m.name: m.name for m in pkgutil.iter_modules(experiments.__path__) if not m.name.startswith("_")}
 
@@ -73,8 +78,8 @@ def available_experiments() -> dict[str, str]:
 def get_experiment(name: str) -> Experiment:
     names = available_experiments()
     if name not in names:
-        raise KVProbeError(f"unknown experiment '{name}': choose from {', '.join(sorted(names))}")
-    module = importlib.import_module(f"experiments.{name}")
+        raise KVProbeError(f"unknown experiment '{name}'{closest(name, names)}: choose from {', '.join(sorted(names))}")
+    module = importlib.import_module(f"kvprobe.experiments.{name}")
     exp = getattr(module, "EXPERIMENT", None)
     if not isinstance(exp, Experiment):
         raise KVProbeError(f"experiments/{name}.py defines no EXPERIMENT")
@@ -128,14 +133,41 @@ def verification_dir(output_dir: str | Path) -> Path:
     return Path(output_dir).parent / "runs"
 
 
-def run_experiment(cfg: RunConfig, overwrite: bool = False, fresh: bool = False, lm: Any = None,
+# -- the run's safety rails (package): clean tree to publish, one run per config, Ctrl-C keeps what is done ----
+
+def run_experiment(cfg: RunConfig, overwrite: bool = False, fresh: bool = False, lm: ModelLike | None = None,
                    progress: bool = True, config_source: str = "<config>", offline: bool | None = None,
-                   tol_nats: float | None = None) -> tuple[Path, dict[str, Any]]:
+                   tol_nats: float | None = None, random_init: bool = False, allow_dirty: bool = False
+                   ) -> tuple[Path, dict[str, Any]]:
     """Run ``cfg`` end to end and return (record path, record).
 
     If ``results/`` already holds the record of this exact config and ``overwrite`` is not given, the run is
     a reproduction: it is written under ``runs/`` (untracked) and the returned record carries a
-    ``reproduction`` block comparing it with the committed one (:mod:`kvprobe.runner.reproduce`)."""
+    ``reproduction`` block comparing it with the committed one (:mod:`kvprobe.runner.reproduce`).
+
+    A record published into the checkout (``results/``) needs a clean working tree unless ``allow_dirty``; a lock
+    beside the record refuses a second identical run while one is going; an interruption (Ctrl-C) raises
+    :class:`kvprobe.errors.Interrupted` saying how many instances are saved for the resume."""
+    import contextlib
+
+    from kvprobe.errors import Interrupted
+
+    run: dict[str, Any] = {}
+    with contextlib.ExitStack() as stack:
+        try:
+            return _run_experiment(cfg, overwrite, fresh, lm, progress, config_source, offline, tol_nats,
+                                   random_init, allow_dirty, stack, run)
+        except KeyboardInterrupt:
+            writer, n = run.get("writer"), run.get("n_instances")
+            if writer is None or n is None:
+                raise Interrupted("interrupted before the first instance ran; nothing was saved") from None
+            raise Interrupted(f"{len(writer.done)} of {n} instances saved to {writer.partial}; rerun the same "
+                              "command to resume") from None
+
+
+def _run_experiment(cfg: RunConfig, overwrite: bool, fresh: bool, lm: Any, progress: bool, config_source: str,
+                    offline: bool | None, tol_nats: float | None, random_init: bool, allow_dirty: bool,
+                    stack: Any, run: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
     import torch
 
     from kvprobe.runner.reproduce import DEFAULT_TOL_NATS, compare_records
@@ -156,12 +188,20 @@ def run_experiment(cfg: RunConfig, overwrite: bool = False, fresh: bool = False,
         if path.exists():
             log.warning("replacing the earlier reproduction run %s (an untracked copy; the committed record "
                         "%s is left as it is)", path, reference)
+    if lm is None:
+        from kvprobe.models.registry import resolve
+
+        resolve(cfg.model)  # package: an unknown model is reported before the tree and lock checks
+    check_clean_tree(path, allow_dirty)  # package: publish only from a clean tree
+    stack.enter_context(RecordLock(path))  # package: a second identical run is refused while this one goes
     writer = RecordWriter(path, overwrite=overwrite or reference is not None, fresh=fresh)
+    run["writer"] = writer
     t0 = time.perf_counter()
     if lm is None:
         from kvprobe.models.loading import load_model
 
-        lm = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed, offline=offline)
+        lm = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed, offline=offline,
+                        random_init=random_init)
     else:
         from kvprobe.interop.unwrap import as_lm
 
@@ -170,6 +210,7 @@ def run_experiment(cfg: RunConfig, overwrite: bool = False, fresh: bool = False,
     torch.manual_seed(cfg.seed)
     ctx = Context(cfg=cfg, params=params, lm=lm)
     instances = (exp.make_instances or default_instances)(ctx)
+    run["n_instances"] = len(instances)
     if exp.setup is not None:
         exp.setup(ctx)
     t1 = time.perf_counter()
@@ -191,7 +232,7 @@ def run_experiment(cfg: RunConfig, overwrite: bool = False, fresh: bool = False,
         "config_hash": chash,
         "params_resolved": resolved_params,
         "task_template_sha256": template_sha,
-        "git": git_commit(),
+        "git": git_commit(allow_dirty),
         "packages": package_versions(),
         "model": lm.describe(),
         "seed": cfg.seed,
@@ -200,7 +241,7 @@ def run_experiment(cfg: RunConfig, overwrite: bool = False, fresh: bool = False,
         "timings": {"load_s": round(t_load, 3), "run_s": round(t_run, 3), "resumed_instances": resumed},
     }
     if reference is not None:
-        check = compare_records(json.loads(reference.read_text()), _clean(record),
+        check = compare_records(read_record(reference), _clean(record),
                                 tol_nats=DEFAULT_TOL_NATS if tol_nats is None else tol_nats)
         record["reproduction"] = {"reference": str(reference), **check.to_dict()}
     return writer.finish(record), record

@@ -63,17 +63,84 @@ def package_versions() -> dict[str, str]:
     return out
 
 
-def git_commit() -> dict[str, Any]:
-    here = Path(__file__).resolve().parent
+def _git(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str] | None:
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=5)
-        if commit.returncode == 0:
-            return {"commit": commit.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
+        return subprocess.run(["git", *args], cwd=cwd or Path(__file__).resolve().parent, capture_output=True,
+                              text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
-        pass
-    return {"commit": None, "dirty": None}
+        return None
+
+
+def git_commit(allow_dirty: bool = False) -> dict[str, Any]:
+    """The kvprobe checkout's commit, whether tracked files had uncommitted changes, and whether the run was
+    allowed to go ahead from such a tree (``--allow-dirty``). ``None`` outside a git checkout (an installed wheel)."""
+    commit = _git("rev-parse", "HEAD")
+    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    if commit is not None and commit.returncode == 0 and dirty is not None:
+        return {"commit": commit.stdout.strip(), "dirty": bool(dirty.stdout.strip()), "allow_dirty": allow_dirty}
+    return {"commit": None, "dirty": None, "allow_dirty": allow_dirty}
+
+
+def check_clean_tree(path: Path, allow_dirty: bool, repo: Path | None = None) -> None:
+    """Refuse to publish a record from a dirty working tree.
+
+    A record is *published* when it lands inside the kvprobe checkout where git would track it (``results/``);
+    scratch destinations (git-ignored ``runs/``, any folder outside the checkout, e.g. a test's tmp dir) and an
+    installed kvprobe (no checkout) are never checked. Untracked files do not count: only changes to tracked
+    files make the commit the record names differ from the code that ran. ``repo``: a folder of the checkout to
+    check (default: the one kvprobe is imported from)."""
+    if allow_dirty:
+        return
+    top = _git("rev-parse", "--show-toplevel", cwd=repo)
+    if top is None or top.returncode != 0:
+        return
+    root = Path(top.stdout.strip()).resolve()
+    dest = path.resolve()
+    if not dest.is_relative_to(root):
+        return
+    ignored = _git("check-ignore", "-q", str(dest), cwd=root)
+    if ignored is not None and ignored.returncode == 0:
+        return
+    status = _git("status", "--porcelain", "--untracked-files=no", cwd=root)
+    changed = [line[3:] for line in (status.stdout.splitlines() if status is not None else []) if line.strip()]
+    if changed:
+        shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+        raise KVProbeError(f"the working tree has uncommitted changes to tracked files ({shown}), so the record "
+                           f"{dest.relative_to(root)} would name a commit that is not the code that ran: commit "
+                           "(or stash) them first, or pass --allow-dirty (the record's git block then says so)")
+
+
+class RecordLock:
+    """An exclusive lock beside a record (``<hash>.lock``) held for a whole run, so two identical runs started
+    together never both compute and append to one partial file: the second is refused with a message. The OS
+    drops the lock when its process ends, so a crashed run leaves no stale lock."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path.with_name(path.stem + ".lock")
+        self._fd: int | None = None
+
+    def __enter__(self) -> "RecordLock":
+        import fcntl
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise KVProbeError(f"another run of this exact config is in progress (pid {holder}; lock {self.path}): "
+                               "wait for it to finish, then rerun this command (it resumes or reproduces)") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._fd is not None:
+            self.path.unlink(missing_ok=True)  # before the unlock: a waiting run then creates a fresh file
+            os.close(self._fd)
+            self._fd = None
 
 
 def model_slug(name: str) -> str:
@@ -143,17 +210,35 @@ class RecordWriter:
         return self.path
 
 
+# What every record has (report, figures and claims read them all); config must name its task and model.
+REQUIRED_KEYS = ("schema_version", "created", "experiment", "config", "model", "summary", "rows")
+
+
+def read_record(path: Path) -> dict[str, Any]:
+    """One record, checked: a file that is not JSON (truncated, half-written) or lacks a required key is an error
+    naming the file, never skipped (a report built without it would silently show an older record)."""
+    try:
+        rec = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise KVProbeError(f"record {path} is corrupt ({type(exc).__name__}: {exc}); rerun its experiment with "
+                           "--overwrite, or restore the file (git checkout -- <file>)") from None
+    missing = [k for k in REQUIRED_KEYS if not isinstance(rec, dict) or k not in rec]
+    if not missing and not all(k in rec["config"] for k in ("task", "model")):
+        missing = [f"config.{k}" for k in ("task", "model") if k not in rec["config"]]
+    if missing:
+        raise KVProbeError(f"record {path} is incomplete: it lacks {', '.join(missing)}; rerun its experiment "
+                           "with --overwrite, or restore the file (git checkout -- <file>)")
+    return rec
+
+
 def load_records(results_dir: str | Path, experiment: str | None = None) -> list[dict[str, Any]]:
-    """Every finished record under ``results_dir`` (optionally of one experiment), oldest first."""
+    """Every finished record under ``results_dir`` (optionally of one experiment), oldest first. A corrupt or
+    incomplete one stops the caller with an error naming it (:func:`read_record`)."""
     root = Path(results_dir)
     pattern = f"{experiment}/*/*.json" if experiment else "*/*/*.json"
     out = []
     for p in sorted(root.glob(pattern)):
-        try:
-            rec = json.loads(p.read_text())
-        except json.JSONDecodeError:
-            continue
-        if isinstance(rec, dict) and rec.get("schema_version"):
-            rec["_path"] = str(p)
-            out.append(rec)
+        rec = read_record(p)
+        rec["_path"] = str(p)
+        out.append(rec)
     return sorted(out, key=lambda r: r.get("created", ""))

@@ -83,3 +83,11 @@ def quantiles(values: Sequence[float]) -> dict[str, float]:
         return {}
     q = np.quantile(x, [0.0, 0.25, 0.5, 0.75, 1.0])
     return {"min": float(q[0]), "q25": float(q[1]), "median": float(q[2]), "q75": float(q[3]), "max": float(q[4])}
+
+
+def cluster_means(values: Sequence[float | None], clusters: Sequence[Any]) -> tuple[list[str], list[float]]:
+    """(cluster keys, mean value per cluster), keys sorted, missing values dropped: the unit of a test when
+    instances share scenarios (a t, TOST or sign test on these is a test at the level of independence)."""
+    vals, keys = _finite_pairs(values, clusters)
+    order = sorted(set(keys.tolist()))
+    return order, [float(vals[keys == k].mean()) for k in order]

@@ -1,4 +1,4 @@
-"""The paper's tests, as thin wrappers over statsmodels and scipy (paper Appendix G, "Confirmatory
+"""The paper's tests, as thin wrappers over statsmodels and scipy (paper Appendix H, "Confirmatory
 protocol": cluster-bootstrap CIs, TOST equivalence, GEE-logistic, McNemar, BH-FDR).
 
 Each wrapper returns a plain dict (JSON-ready) naming the test, so a record or a claims row says what it
@@ -156,26 +156,73 @@ def _mcnemar_critical(alpha: float, n_max: int) -> np.ndarray:
     return crit
 
 
-def n_mcnemar(p_a_only: float, p_b_only: float, alpha: float = ALPHA, power: float = POWER,
-              n_max: int = 1000) -> int | None:
-    """Smallest number of pairs at which the exact two-sided McNemar test (as statsmodels computes it:
-    ``2 * Binom(d, 1/2).cdf(min(b, c))``) rejects in the direction a > b with probability >= ``power``,
-    when a pair is "a only" with probability ``p_a_only`` and "b only" with ``p_b_only``. statsmodels has
-    no McNemar power; this sums scipy's binomial over the number of discordant pairs. None if a does not
-    beat b or no n up to ``n_max`` suffices."""
+def power_mcnemar(p_a_only: float, p_b_only: float, n: int, alpha: float = ALPHA, n_max: int = 1000) -> float:
+    """Probability that the exact two-sided McNemar test (as statsmodels computes it: ``2 * Binom(d, 1/2).cdf(
+    min(b, c))``) rejects in the direction a > b with ``n`` pairs, when a pair is "a only" with probability
+    ``p_a_only`` and "b only" with ``p_b_only`` (also the cluster sign test: a pair is then a cluster).
+    statsmodels has no McNemar power; this sums scipy's binomial over the number of discordant pairs."""
     from scipy.stats import binom
 
     disc = p_a_only + p_b_only
+    if disc <= 0 or n < 1:
+        return 0.0
+    theta = p_a_only / disc
+    ds = np.arange(n + 1)
+    crit = _mcnemar_critical(alpha, max(n_max, n))[: n + 1]  # largest "b only" count that rejects, -1 if none
+    reject = np.where(crit >= 0, binom.sf(ds - crit - 1, ds, theta), 0.0)  # P(reject toward a | d discordant)
+    return float(np.dot(binom.pmf(ds, n, min(disc, 1.0)), reject))
+
+
+def n_mcnemar(p_a_only: float, p_b_only: float, alpha: float = ALPHA, power: float = POWER,
+              n_max: int = 1000) -> int | None:
+    """Smallest number of pairs at which :func:`power_mcnemar` reaches ``power``. None if a does not beat b
+    or no n up to ``n_max`` suffices."""
+    disc = p_a_only + p_b_only
     if p_a_only <= p_b_only or disc <= 0 or disc > 1 + 1e-12:
         return None
-    theta = p_a_only / disc
-    ds = np.arange(n_max + 1)
-    crit = _mcnemar_critical(alpha, n_max)  # largest "b only" count that rejects, -1 where none does
-    reject = np.where(crit >= 0, binom.sf(ds - crit - 1, ds, theta), 0.0)  # P(reject toward a | d discordant)
     for n in range(1, n_max + 1):
-        if float(np.dot(binom.pmf(ds[: n + 1], n, min(disc, 1.0)), reject[: n + 1])) >= power:
+        if power_mcnemar(p_a_only, p_b_only, n, alpha, n_max) >= power:
             return n
     return None
+
+
+def sign_test(diffs: Sequence[float]) -> dict[str, Any]:
+    """Exact two-sided sign test of paired differences (``scipy.stats.binomtest`` on the positive vs negative
+    ones; ties carry no information). On cluster means of paired booleans it is McNemar's test with the
+    cluster as the unit."""
+    from scipy.stats import binomtest
+
+    x = _finite(diffs)
+    pos, neg = int((x > 0).sum()), int((x < 0).sum())
+    p = float(binomtest(pos, pos + neg, 0.5).pvalue) if pos + neg else None
+    return {"test": "exact sign test (two-sided)", "p": p, "n": int(x.size), "positive": pos, "negative": neg}
+
+
+def power_paired_t(effect: float, sd: float, n: int, alpha: float = ALPHA) -> float | None:
+    """Power of the one-sided paired t-test to detect a mean difference ``effect`` from ``n`` pairs whose
+    differences have standard deviation ``sd`` (``TTestPower.power``). None when undefined; 0 for no
+    effect in the tested direction."""
+    from statsmodels.stats.power import TTestPower
+
+    if not (sd and np.isfinite(sd) and sd > 0) or not np.isfinite(effect) or n < 2:
+        return None
+    if effect <= 0:
+        return 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return float(TTestPower().power(effect_size=effect / sd, nobs=n, alpha=alpha, alternative="larger"))
+
+
+def power_binom_bound(p_true: float, bound: float, n: int, alpha: float = ALPHA) -> float:
+    """Power of the exact one-sided binomial test of ``rate > bound`` with ``n`` trials at true rate
+    ``p_true`` (the critical count from the null distribution, its probability under ``p_true``)."""
+    from scipy.stats import binom
+
+    if n < 1:
+        return 0.0
+    ks = np.arange(n + 1)
+    ok = ks[binom.sf(ks - 1, n, bound) <= alpha]
+    return float(binom.sf(ok[0] - 1, n, p_true)) if ok.size else 0.0
 
 
 def binom_at_least(count: int, nobs: int, bound: float) -> dict[str, Any]:

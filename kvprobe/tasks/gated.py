@@ -69,7 +69,7 @@ def load_template(path: str | Path) -> GatedTemplate:
     try:
         return GatedTemplate.model_validate(yaml.safe_load(p.read_text()))
     except Exception as exc:  # pydantic.ValidationError or YAML error
-        from kvprobe.runner.config import format_validation_error
+        from kvprobe.schema import format_validation_error
 
         raise KVProbeError(f"task template {p}: {format_validation_error(exc)}") from None
 

@@ -1,0 +1,66 @@
+"""Config-schema helpers shared by every validated YAML of kvprobe (run configs, task templates, studies):
+hash-neutral params and one-line validation messages. Low in the layering: tasks and probes use it, and the
+runner builds on it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, Field, ValidationError
+
+from kvprobe.errors import closest
+
+
+def hash_neutral(default: Any, **kwargs: Any) -> Any:
+    """A param added after records were written, whose ``default`` reproduces those records' numbers: it enters the
+    record hash only when set to something else, so adding it renames no committed record."""
+    return Field(default, json_schema_extra={"hash_neutral_default": True}, **kwargs)
+
+
+def hashed_params(params: BaseModel) -> dict[str, Any]:
+    """A model as hashed: its JSON dump, defaults included, except hash-neutral fields left at their default
+    (recursively, so a hash-neutral field of a nested section counts too)."""
+    dumped = params.model_dump(mode="json")
+    for name, info in type(params).model_fields.items():
+        value = getattr(params, name)
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        if extra.get("hash_neutral_default") and value == info.get_default(call_default_factory=True):
+            dumped.pop(name, None)
+        elif isinstance(value, BaseModel):
+            dumped[name] = hashed_params(value)
+    return dumped
+
+
+def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
+    cls: Any = model
+    for part in loc[:-1]:
+        field = cls.model_fields.get(str(part)) if hasattr(cls, "model_fields") else None
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return []
+        cls = field.annotation
+    return sorted(cls.model_fields) if hasattr(cls, "model_fields") else []
+
+
+def format_validation_error(exc: Exception, model: type[BaseModel] | None = None, prefix: str = "",
+                            renames: Mapping[str, str] | None = None) -> str:
+    """One line per problem: ``key 'task.n_instance': not a known key (allowed: ...)``. ``renames`` maps a
+    field's name to the key users write (a config section documented under another name)."""
+    if not isinstance(exc, ValidationError):
+        return str(exc)
+    lines = []
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        key = ".".join(str(p) for p in (prefix, *loc) if p != "")
+        if renames and loc and str(loc[0]) in renames:
+            key = renames[str(loc[0])] + key[len(str(loc[0])):]
+        if err["type"] == "extra_forbidden":
+            allowed = _allowed_keys(model, loc) if model is not None else []
+            hint = closest(str(loc[-1]), allowed) if loc else ""
+            hint += f" (allowed: {', '.join(allowed)})" if allowed else ""
+            lines.append(f"key '{key}' is not a known key{hint}; remove or rename it")
+        elif err["type"] == "missing":
+            lines.append(f"key '{key}' is required")
+        else:
+            lines.append(f"key '{key}': {err['msg']} (got {err.get('input')!r})")
+    return "; ".join(lines)
