@@ -100,8 +100,9 @@ def run_instance(ctx: Context, inst: Any) -> dict[str, Any]:
     if not (c0 <= normal.field_slots[0] and normal.field_slots[-1] < c1):
         raise ValueError(f"instance {inst.index}: the field is not inside the chunk [{c0}, {c1})")
     composed = _composed_stale(ctx, normal, c0, c1)
-    ranked = rank_downstream(lm, pp, c.anchor).positions
-    ks = [k for k in p.selective_k if k <= len(ranked)]
+    ks = [k for k in p.selective_k if k <= len(pp.downstream_slots)]
+    # the causal-effect ranking reads one patched cache per downstream slot: the costliest step, run only if used
+    ranked = rank_downstream(lm, pp, c.anchor).positions if ks else []
     line = erratum_line(ctx.template, inst, inst.new_value, p.erratum_wording)
     erratum_ids = {"erratum": prompt_ids(tok, inst, erratum_body(ctx.template, inst, inst.old_value, [line]), chat),
                    "field_erratum": prompt_ids(tok, inst, erratum_body(ctx.template, inst, inst.new_value, [line]),
@@ -113,7 +114,7 @@ def run_instance(ctx: Context, inst: Any) -> dict[str, Any]:
                   if res.suffix_ids == pp.suffix and n not in ("erratum", "field_erratum")}
     anchor, lds, _ = measure(lm, pp, in_context, ctx.cfg.batch_size)
     c = replace(c, anchor=anchor)
-    row: dict[str, Any] = {**base_row(ctx, inst, c), "chunk": [c0, c1], "n_downstream": len(ranked),
+    row: dict[str, Any] = {**base_row(ctx, inst, c), "chunk": [c0, c1], "n_downstream": len(pp.downstream_slots),
                            "erratum_text": line}
     for path, rs in results.items():
         row[path] = {}
