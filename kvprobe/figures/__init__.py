@@ -52,6 +52,14 @@ from kvprobe.figures.features import FEATURE_FIGURES  # noqa: E402
 
 FIGURES.update(FEATURE_FIGURES)  # App. D directions (15b) and SAE features (15e)
 
+from kvprobe.figures.edit_in_transplant import FIGURES as EDIT_IN_TRANSPLANT_FIGURES  # noqa: E402
+
+FIGURES.update(EDIT_IN_TRANSPLANT_FIGURES)  # Sec. 6: editing inside a transplant (7a)
+
+from kvprobe.figures.twohop_blocks import FIGURES as TWOHOP_BLOCKS_FIGURES  # noqa: E402
+
+FIGURES.update(TWOHOP_BLOCKS_FIGURES)  # App. G: two-hop facts across precompiled blocks
+
 
 def render_all(results_dir: str | Path = "results", out_dir: str | Path = "figures") -> list[Path]:
     out = Path(out_dir)

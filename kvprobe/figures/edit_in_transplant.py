@@ -1,0 +1,51 @@
+"""Figure 7a: editing inside a transplant. Per edit method, recovery and P(correct) on the composed cache
+(field inside a precompiled, re-rotated chunk) against the same method on a normally prefilled context; the
+paper's result is points on the diagonal."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib.pyplot as plt
+
+from kvprobe.figures.common import latest_per_model, save
+
+
+def _point(stat: dict[str, Any]) -> tuple[float, float, float] | None:
+    mean = stat.get("mean")
+    if mean is None:
+        return None
+    lo = mean if stat.get("ci_low") is None else stat["ci_low"]
+    hi = mean if stat.get("ci_high") is None else stat["ci_high"]
+    return mean, mean - lo, hi - mean
+
+
+def fig7a_edit_in_transplant(records: list[dict[str, Any]], path: Path) -> None:
+    per_model = latest_per_model(records)
+    if not per_model:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(9, 4.2))
+    cmap = plt.get_cmap("tab10")
+    markers = "osD^v<>"
+    for ax, metric, label in ((axes[0], "recovery", "recovery"), (axes[1], "p_correct", "P(correct)")):
+        ax.plot([-0.2, 1.2], [-0.2, 1.2], color="grey", lw=0.8, ls="--")
+        for m, (model, rec) in enumerate(per_model.items()):
+            for i, (name, b) in enumerate(rec["summary"]["methods"].items()):
+                x, y = _point(b["normal"][metric]), _point(b["composed"][metric])
+                if x is None or y is None:
+                    continue
+                ax.errorbar(x[0], y[0], xerr=[[x[1]], [x[2]]], yerr=[[y[1]], [y[2]]], fmt=markers[m % len(markers)],
+                            color=cmap(i), ms=5, lw=0.7, capsize=2,
+                            label=f"{name}" if m == 0 else None)
+            ax.plot([], [], markers[m % len(markers)], color="black", label=f"model: {model}")
+        ax.set_xlabel(f"{label}, normally prefilled context")
+        ax.set_ylabel(f"{label}, field inside the transplanted chunk")
+        ax.set_xlim(-0.2, 1.2)
+        ax.set_ylim(-0.2, 1.2)
+    axes[1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.suptitle("Editing inside a transplant vs a normal context (paper Fig. 7a)", fontsize=10)
+    save(fig, path)
+
+
+FIGURES = {"fig7a_edit_in_transplant": ("edit_in_transplant", fig7a_edit_in_transplant)}
