@@ -32,6 +32,11 @@ def test_tau2_experiment_end_to_end(tiny_text_dir, tmp_path):
     assert s["arm_b"]["full_reprefill"]["recompute_fraction"] == 1.0 and s["arm_b"]["stale"]["recompute_fraction"] == 0
     assert s["prefix_cache_max_abs_logit_diff"] < 1e-3  # prefix caching computes the full prefill
     for row in rec["rows"]:  # every reward is the tool's verdict on the decision taken
-        for arm, change in (("arm_a", None), ("arm_b", "processed")):
+        for arm, pending in (("arm_a", True), ("arm_b", False)):
             for m in row[arm].values():
-                assert m["reward"] == ((m["action"] == "cancel") == m["tool_accepts_cancel"])
+                assert m["tool_accepts_cancel"] is pending  # the state change reached the environment's db
+                assert m["reward"] == ((m["action"] == "cancel") == pending)
+    from kvprobe.figures import FIGURES
+
+    FIGURES["sec9_tau2"][1]([rec], tmp_path / "s9.png")
+    assert (tmp_path / "s9.png").stat().st_size > 0

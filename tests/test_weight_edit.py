@@ -69,6 +69,10 @@ def test_weight_edit_experiment_end_to_end(tiny_text_dir, tmp_path):
     for name in ("rome", "lora"):
         assert m[name]["rollback_exact"] and not m[name]["weights_unchanged"]
         assert 0 <= m[name]["contamination"]["mean"] <= 1 and 0 <= m[name]["collateral"]["mean"] <= 1
+    from kvprobe.figures import FIGURES
+
+    FIGURES["table1_weight_edit"][1]([rec], tmp_path / "t1.png")
+    assert (tmp_path / "t1.png").stat().st_size > 0
 
 
 @pytest.mark.slow

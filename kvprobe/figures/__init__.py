@@ -52,6 +52,14 @@ from kvprobe.figures.features import FEATURE_FIGURES  # noqa: E402
 
 FIGURES.update(FEATURE_FIGURES)  # App. D directions (15b) and SAE features (15e)
 
+from kvprobe.figures.weight_edit import table1_weight_edit  # noqa: E402
+
+FIGURES["table1_weight_edit"] = ("weight_edit", table1_weight_edit)  # Table 1: KV vs weight edits
+
+from kvprobe.figures.tau2 import sec9_tau2  # noqa: E402
+
+FIGURES["sec9_tau2"] = ("tau2", sec9_tau2)  # Sec. 9: τ²-bench retail
+
 
 def render_all(results_dir: str | Path = "results", out_dir: str | Path = "figures") -> list[Path]:
     out = Path(out_dir)
