@@ -288,7 +288,8 @@ EXPERIMENT = Experiment(
               paper_value=5.5),
         # role: control (identity: a KV edit never writes the weights)
         Claim("weight_edit_kv_weights_unchanged", "KV edits leave the weights unchanged (checksum)",
-              "0 contamination, 0 collateral (Tab. 1)", "identity", "methods.field_erratum.weights_unchanged"),
+              "0 contamination, 0 collateral (Tab. 1)", "identity", "methods.field_erratum.weights_unchanged",
+              paper_value=1.0),
         # role: control (can fail: a rollback that leaves a residue changes the checksum)
         Claim("weight_edit_rome_rollback_exact", "rolling ROME back restores the weights byte for byte",
               "not stated", "at_least", "methods.rome.rollback_exact", bound=1 - ACCURACY_MARGIN),
