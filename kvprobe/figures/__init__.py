@@ -59,6 +59,13 @@ FIGURES.update(EDIT_IN_TRANSPLANT_FIGURES)  # Sec. 6: editing inside a transplan
 from kvprobe.figures.twohop_blocks import FIGURES as TWOHOP_BLOCKS_FIGURES  # noqa: E402
 
 FIGURES.update(TWOHOP_BLOCKS_FIGURES)  # App. G: two-hop facts across precompiled blocks
+from kvprobe.figures.weight_edit import table1_weight_edit  # noqa: E402
+
+FIGURES["table1_weight_edit"] = ("weight_edit", table1_weight_edit)  # Table 1: KV vs weight edits
+
+from kvprobe.figures.tau2 import sec9_tau2  # noqa: E402
+
+FIGURES["sec9_tau2"] = ("tau2", sec9_tau2)  # Sec. 9: τ²-bench retail
 
 
 def render_all(results_dir: str | Path = "results", out_dir: str | Path = "figures") -> list[Path]:

@@ -1,0 +1,49 @@
+"""Table 1 as a figure: KV edits vs weight edits (efficacy, contamination, collateral, latency x erratum)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib.pyplot as plt
+
+from kvprobe.figures.common import bar_with_ci, latest_per_model, save
+
+MEASURES = (("efficacy", "efficacy (target flips)"), ("contamination", "cross-request contamination"),
+            ("collateral", "collateral (unrelated decisions)"))
+
+
+def table1_weight_edit(records: list[dict[str, Any]], path: Path) -> None:
+    per_model = latest_per_model(records)
+    if not per_model:
+        return
+    names = list(per_model)
+    methods = list(next(iter(per_model.values()))["summary"]["methods"])
+    fig, axes = plt.subplots(1, 4, figsize=(4 + 3 * len(names), 3.4))
+    width = 0.8 / len(methods)
+    cmap = plt.get_cmap("tab10")
+    for ax, (key, label) in zip(axes, MEASURES):
+        for m, name in enumerate(names):
+            for j, method in enumerate(methods):
+                b = per_model[name]["summary"]["methods"].get(method)
+                if b is None:
+                    continue
+                x = m + (j - (len(methods) - 1) / 2) * width
+                bar_with_ci(ax, x, b[key], width, cmap(j), label=method if m == 0 else None)
+                if b.get("identity") and key != "efficacy":
+                    ax.text(x, 0.02, "id", ha="center", fontsize=6, rotation=90)  # 0 by construction
+        ax.set_xticks(range(len(names)), names, fontsize=6)
+        ax.set_ylim(0, 1.05)
+        ax.set_title(label, fontsize=8)
+    ax = axes[3]
+    for m, name in enumerate(names):
+        for j, method in enumerate(methods):
+            b = per_model[name]["summary"]["methods"].get(method)
+            if b is not None:
+                ax.bar(m + (j - (len(methods) - 1) / 2) * width, b["latency_x_erratum_median"], width, color=cmap(j))
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(names)), names, fontsize=6)
+    ax.set_title("edit latency / erratum (median, one run)", fontsize=8)
+    axes[0].legend(fontsize=6)
+    fig.suptitle("KV editing vs weight editing for per-request state (paper Table 1; 'id' = identity)", fontsize=9)
+    save(fig, path)
