@@ -1,0 +1,300 @@
+"""BlockStore: write-once KV payloads in a RAM tier over a disk tier, with policy updated in place.
+
+Operations and what each may move (``Ledger`` counts every byte, by operation):
+
+- ``put``: a new block into RAM (its payload's one creation write);
+- ``demote``: make sure the disk holds a copy, then drop the RAM copy. The disk copy is written at most once
+  in the block's life: a second demotion finds it and writes nothing (the seed's delta_b <= 1);
+- ``promote`` / ``get``: copy a disk payload into RAM through the memory map (a read); the disk copy stays,
+  so the next demotion is a clean discard;
+- ``evict``: drop the RAM copy, never a writeback. With a disk copy the block stays in the store; without
+  one it leaves the store (a block is recomputable; the caller chose not to keep it);
+- ``update_policy``: 16 bytes per copy, in place; zero payload bytes;
+- ``derive``: a new block computed from an existing one (in-place refresh, re-rotation) whose identity names
+  its parent; ``append``: a new block after existing ones (an erratum). Neither touches a stored payload.
+
+Mechanism records are built by the tier receiving a copy (new epoch, its own residency and transfer state);
+identity and policy bytes travel with the copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from kvprobe.blocks.record import FORMAT_DTYPES, FORMATS, Flags, Identity, Intent, Mechanism, Policy, Tier, Transfer
+from kvprobe.blocks.tiers import DiskTier, Payload, RamTier, payload_nbytes
+from kvprobe.errors import KVProbeError
+from kvprobe.kv.state import KVState
+
+
+def digest(payload: Payload) -> str:
+    """Content hash of a payload (names, dtypes, shapes and bytes), to prove copies are never stale."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(payload):
+        t = payload[name].detach().contiguous().cpu()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def state_payload(state: KVState, layer_start: int = 0) -> Payload:
+    """A KVState (batch 1) as named tensors: ``k<layer>`` / ``v<layer>`` by absolute layer, plus positions."""
+    if state.batch != 1:
+        raise KVProbeError(f"a block holds one sequence; got a state of batch {state.batch}")
+    out = {f"k{layer_start + i}": k for i, k in enumerate(state.keys)}
+    out |= {f"v{layer_start + i}": v for i, v in enumerate(state.values)}
+    out["positions"] = state.positions
+    return out
+
+
+def payload_state(payload: Payload, ident: Identity) -> KVState:
+    layers = range(ident.layer_start, ident.layer_stop)
+    return KVState(tuple(payload[f"k{i}"] for i in layers), tuple(payload[f"v{i}"] for i in layers),
+                   payload["positions"])
+
+
+@dataclass
+class Ledger:
+    """Bytes moved, per operation name: payload (K/V tensors) read and written, and metadata (control
+    records) written."""
+
+    payload_read: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    payload_written: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    metadata: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+
+class BlockStore:
+    def __init__(self, root: str | Path | None = None) -> None:
+        """RAM only when ``root`` is None; else RAM over a disk tier in ``root`` (reopened if it exists)."""
+        self.ram = RamTier()
+        self.disk = DiskTier(root) if root is not None else None
+        self.ledger = Ledger()
+        self.demotions: dict[int, int] = defaultdict(int)  # disk payload writes per block, over its life
+        self._digests: dict[int, str] = {}
+        self._lock = threading.RLock()  # serialises moves; policy updates take only the tables' stripe locks
+        self._ledger_lock = threading.Lock()
+        if self.disk is not None:
+            for bid in self.disk.table.slots:
+                self._digests[bid] = self.disk.stored_digest(bid)
+
+    # -- accounting -------------------------------------------------------------------------------
+    def _tiers(self) -> list[RamTier | DiskTier]:
+        return [self.ram] + ([self.disk] if self.disk is not None else [])
+
+    def _snapshot(self) -> tuple[int, int, int]:
+        tiers = self._tiers()
+        return (sum(t.payload_bytes_read for t in tiers), sum(t.payload_bytes_written for t in tiers),
+                sum(t.table.metadata_bytes_written for t in tiers))
+
+    def _account(self, op: str, before: tuple[int, int, int]) -> None:
+        after = self._snapshot()
+        self.ledger.payload_read[op] += after[0] - before[0]
+        self.ledger.payload_written[op] += after[1] - before[1]
+        self.ledger.metadata[op] += after[2] - before[2]
+        self.ledger.calls[op] += 1
+
+    # -- queries ----------------------------------------------------------------------------------
+    def __contains__(self, bid: int) -> bool:
+        return bid in self.ram or (self.disk is not None and bid in self.disk)
+
+    def block_ids(self) -> set[int]:
+        return set(self.ram.payloads) | (set(self.disk.table.slots) if self.disk is not None else set())
+
+    def where(self, bid: int) -> list[Tier]:
+        return [t for t, tier in ((Tier.RAM, self.ram), (Tier.DISK, self.disk)) if tier is not None and bid in tier]
+
+    def _table_with(self, bid: int):
+        for tier in self._tiers():
+            if bid in tier:
+                return tier.table
+        raise KVProbeError(f"no block {bid:016x} in the store")
+
+    def identity(self, bid: int) -> Identity:
+        return self._table_with(bid).identity(bid)
+
+    def policy(self, bid: int) -> Policy:
+        return self._table_with(bid).policy(bid)
+
+    def mechanism(self, bid: int, tier: Tier) -> Mechanism:
+        holder = self.ram if tier == Tier.RAM else self.disk
+        if holder is None or bid not in holder:
+            raise KVProbeError(f"block {bid:016x} has no copy in {tier.name}")
+        return holder.table.mechanism(bid)
+
+    def digest_of(self, bid: int) -> str:
+        """The payload's digest recorded when the block was created."""
+        return self._digests[bid]
+
+    def copy_digests(self, bid: int) -> dict[Tier, str]:
+        """The digest of every copy's bytes as they are now (reads the payloads; for checks, not serving)."""
+        out = {}
+        if bid in self.ram:
+            out[Tier.RAM] = digest(self.ram.payloads[bid])
+        if self.disk is not None and bid in self.disk:
+            out[Tier.DISK] = digest(self.disk.read(bid, count=False))  # a check, not traffic
+        return out
+
+    # -- writes -----------------------------------------------------------------------------------
+    def put(self, ident: Identity, state: KVState, policy: Policy = Policy()) -> int:
+        """Store a new block in RAM; returns its id. The same identity twice is the same block: no write."""
+        payload = state_payload(state, ident.layer_start)
+        self._check_shape(ident, state)
+        bid = ident.block_id
+        with self._lock:
+            before = self._snapshot()
+            if bid not in self:
+                self._digests[bid] = digest(payload)
+                self.ram.write(ident, policy, self._fresh_mechanism(self.ram, Tier.RAM, payload), payload)
+            self._account("put", before)
+        return bid
+
+    def append(self, after: int | None, ident: Identity, state: KVState, policy: Policy = Policy()) -> int:
+        """An erratum: a new block placed after block ``after`` (its positions must follow it)."""
+        if after is not None:
+            prev = self.identity(after)
+            if ident.pos_start < prev.pos_stop:
+                raise KVProbeError(f"an appended block starts at {ident.pos_start}, inside block {after:016x} "
+                                   f"(which ends at {prev.pos_stop}); append after it or derive a child")
+        return self.put(ident, state, policy)
+
+    def derive(self, parent: int, state: KVState, seq_id: int | None = None, prefix_hash: int | None = None,
+               policy: Policy | None = None) -> int:
+        """A child block (in-place refresh, re-rotation) whose identity names ``parent``; the parent's payload
+        is left exactly as it is. The child's position range comes from ``state``."""
+        base = self.identity(parent)
+        pos = state.positions
+        ident = replace(base, pos_start=int(pos.min()), pos_stop=int(pos.max()) + 1, parent=parent,
+                        seq_id=base.seq_id if seq_id is None else seq_id,
+                        prefix_hash=base.prefix_hash if prefix_hash is None else prefix_hash)
+        if ident.block_id == parent:
+            raise KVProbeError("a derived block must differ from its parent in identity")
+        return self.put(ident, state, self.policy(parent) if policy is None else policy)
+
+    def update_policy(self, bid: int, **changes) -> int:
+        """Rewrite the policy of every copy in place (16 B each); returns the metadata bytes written.
+        No payload byte is read or written."""
+        unknown = set(changes) - set(Policy.__dataclass_fields__)
+        if unknown:
+            raise KVProbeError(f"unknown policy field(s) {sorted(unknown)}; policy has "
+                               f"{sorted(Policy.__dataclass_fields__)}")
+        written = 0
+        for tier in self._tiers():
+            if bid in tier:
+                written += tier.table.update_policy(bid, changes)
+        if not written:
+            raise KVProbeError(f"no block {bid:016x} in the store")
+        with self._ledger_lock:  # the ledger's ints are shared by writer threads
+            self.ledger.metadata["update_policy"] += written
+            self.ledger.calls["update_policy"] += 1
+        return written
+
+    def pin(self, bid: int, pinned: bool = True) -> None:
+        mech = self.mechanism(bid, Tier.RAM)
+        flags = mech.flags | Flags.PINNED if pinned else mech.flags & ~Flags.PINNED
+        self.ram.table.write_mechanism(bid, replace(mech, flags=flags))
+
+    # -- moves ------------------------------------------------------------------------------------
+    def demote(self, bid: int) -> int:
+        """RAM -> disk; returns the payload bytes written (0 when the disk already holds the block)."""
+        if self.disk is None:
+            raise KVProbeError("this store has no disk tier; open it with a root directory")
+        with self._lock:
+            self._check_movable(bid)
+            before = self._snapshot()
+            written = 0
+            if bid not in self.disk:
+                payload = self.ram.read(bid)
+                ident, policy = self.ram.table.identity(bid), self.ram.table.policy(bid)
+                mech = self._fresh_mechanism(self.disk, Tier.DISK, payload)
+                self.disk.write(ident, policy, mech, payload, self._digests[bid])
+                self.demotions[bid] += 1
+                written = payload_nbytes(payload)
+            self.ram.discard(bid)
+            self._account("demote", before)
+            return written
+
+    def promote(self, bid: int) -> KVState:
+        """Disk -> RAM (the disk copy stays). A block already in RAM is returned as it is."""
+        with self._lock:
+            if bid in self.ram:
+                return payload_state(self.ram.payloads[bid], self.ram.table.identity(bid))
+            if self.disk is None or bid not in self.disk:
+                raise KVProbeError(f"no block {bid:016x} in the store")
+            before = self._snapshot()
+            payload = self.disk.read(bid)
+            ident, policy = self.disk.table.identity(bid), self.disk.table.policy(bid)
+            self.ram.write(ident, policy, self._fresh_mechanism(self.ram, Tier.RAM, payload), payload)
+            self._account("promote", before)
+            return payload_state(self.ram.payloads[bid], ident)
+
+    def get(self, bid: int) -> KVState:
+        """The lookup path: a RAM hit, else a promotion from disk."""
+        payload = self.ram.payloads.get(bid)
+        if payload is not None:
+            return payload_state(payload, self.ram.table.identity(bid))
+        return self.promote(bid)
+
+    def evict(self, bid: int) -> None:
+        """Drop the RAM copy without writing anything anywhere."""
+        with self._lock:
+            self._check_movable(bid)
+            before = self._snapshot()
+            self.ram.discard(bid)
+            if bid not in self:
+                self._forget(bid)
+            self._account("evict", before)
+
+    def drop(self, bid: int) -> None:
+        """Remove every copy (the block's life ends; a later put of the same identity is a new life)."""
+        with self._lock:
+            for tier in self._tiers():
+                if bid in tier:
+                    tier.discard(bid)
+            self._forget(bid)
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _forget(self, bid: int) -> None:
+        self._digests.pop(bid, None)
+        self.demotions.pop(bid, None)
+
+    def _check_movable(self, bid: int) -> None:
+        if bid not in self.ram:
+            raise KVProbeError(f"block {bid:016x} has no RAM copy")
+        if self.ram.table.mechanism(bid).flags & Flags.PINNED:
+            raise KVProbeError(f"block {bid:016x} is pinned in RAM; unpin it first")
+
+    @staticmethod
+    def _fresh_mechanism(tier: RamTier | DiskTier, residency: Tier, payload: Payload) -> Mechanism:
+        dtype = next(t.dtype for name, t in payload.items() if name.startswith("k"))
+        if dtype not in FORMATS:
+            raise KVProbeError(f"payload dtype {dtype} has no format code; use one of {sorted(map(str, FORMATS))}")
+        return Mechanism(residency, FORMATS[dtype], Transfer.IDLE, Flags.VALID, tier.next_epoch())
+
+    @staticmethod
+    def _check_shape(ident: Identity, state: KVState) -> None:
+        if state.n_layers != ident.layer_stop - ident.layer_start:
+            raise KVProbeError(f"identity names layers [{ident.layer_start}, {ident.layer_stop}) but the state has "
+                               f"{state.n_layers}")
+        pos = state.positions
+        if state.length != ident.pos_stop - ident.pos_start or (state.length and (
+                int(pos.min()) != ident.pos_start or int(pos.max()) + 1 != ident.pos_stop)):
+            raise KVProbeError(f"identity names positions [{ident.pos_start}, {ident.pos_stop}) but the state holds "
+                               f"{state.length} slots at {int(pos.min()) if state.length else '-'}..")
+        heads = state.keys[0].shape[1]
+        if ident.head_stop - ident.head_start != heads:
+            raise KVProbeError(f"identity names KV heads [{ident.head_start}, {ident.head_stop}) but the state has "
+                               f"{heads}")
+
+
+__all__ = ["BlockStore", "Ledger", "digest", "payload_state", "state_payload", "FORMAT_DTYPES", "Intent"]

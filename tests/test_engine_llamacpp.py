@@ -1,0 +1,92 @@
+"""llama.cpp backend: the paper's operations on the engine's own KV cache, checked for exactness against the
+engine's own reprefill where theory says they are identical, and against kvprobe's HF oracle on the same GGUF
+weights within stated tolerances (the engine multiplies quantised Q4_1 weights; HF runs them dequantised)."""
+
+import numpy as np
+import pytest
+
+llama_cpp = pytest.importorskip("llama_cpp", reason="the engine extra is not installed (pip install kvprobe[engine])")
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+# Tolerances, from smollm2-135m (Q4_1 GGUF; gated template, direct format; results/bench/engine_oracle_*.txt
+# has the measured spread) and stated here:
+COS_VS_HF = 0.97  # engine operation vs HF's same operation: logit cosine over the whole vocabulary
+COS_VS_SELF = 0.99  # engine operation vs the engine's own full reprefill of the prompt it answers
+DECISION_MARGIN = 0.5  # nats: decisions must agree wherever the reference's |logit diff| is at least this
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from kvprobe.backends.llamacpp import LlamaCppEngine, gguf_path
+
+    with LlamaCppEngine(gguf_path("smollm2-135m"), n_ctx=2048, n_threads=1) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def ids(smollm):
+    text = ("The store policy says that orders can be cancelled only while they are pending. The order status is "
+            "pending. Can the order be cancelled? Answer:")
+    return smollm.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_cache_operations_are_exact_where_theory_says_so(engine, ids):
+    n = len(ids)
+    ref = engine.full_reprefill(ids).logits
+    # in-place refresh with the field's own tokens: the same cells at the same positions
+    engine.cache_context(ids[:-1])
+    same = engine.in_place(ids[:-1], [10, 11], ids[-1:])
+    assert np.abs(same.logits - ref).max() < 1e-4 and same.decoded_tokens == 3
+    assert engine.seq_pos_max(engine.REQUEST) == n - 2 and engine.seq_pos_max(engine.HOLD) == -1  # cache restored
+    # an append that shares the whole cached prefix decodes only the new tokens
+    engine.cache_context(ids[:-5])
+    app = engine.append(ids[:-5], ids)
+    assert app.decoded_tokens == 5 and np.abs(app.logits - ref).max() < 1e-4
+    # transplant with no head and no seam on a cleared cache: the chunk's cells, then the tail's, in position
+    # order in llama.cpp's cell buffer -> the same numbers as the reprefill.
+    engine.clear()
+    seq = engine.precompile(ids[:20])
+    tr0 = engine.transplant([], seq, 20, ids[0], ids[20:], seam=0)
+    assert np.abs(tr0.logits - ref).max() < 1e-4 and tr0.decoded_tokens == n - 20
+    assert engine.seq_pos_max(seq) == 19  # the precompiled chunk is back at 0..L-1 for the next request
+    # With the seam token recomputed (same empty context, so the same K/V) the request's cells sit out of
+    # position order in the buffer (the seam cell is newer than the chunk's), and this engine's attention
+    # numerics then differ (measured max |dlogit| ~0.6 here; 0 when in order): within tolerance, not exact.
+    tr = engine.transplant([], seq, 20, ids[0], ids[20:])
+    cos = float(tr.logits @ ref / np.linalg.norm(tr.logits) / np.linalg.norm(ref))
+    assert cos >= COS_VS_SELF and tr.logits.argmax() == ref.argmax() and tr.decoded_tokens == 1 + n - 20
+
+
+def test_in_place_changes_the_answer_and_keeps_the_stale_suffix(engine, smollm):
+    tok = smollm.tokenizer
+    old = tok("Order status: delivered. Policy: cancel only pending orders. Can it be cancelled? Answer:",
+              add_special_tokens=False)["input_ids"]
+    new = tok("Order status: pending. Policy: cancel only pending orders. Can it be cancelled? Answer:",
+              add_special_tokens=False)["input_ids"]
+    assert len(old) == len(new)
+    diff = [i for i, (a, b) in enumerate(zip(old, new)) if a != b]
+    engine.cache_context(old[:-1])
+    edited = engine.in_place(new[:-1], diff, new[-1:])
+    stale = engine.full_reprefill(old).logits
+    fresh = engine.full_reprefill(new).logits
+    assert np.abs(edited.logits - stale).max() > 1e-2  # the new field's cells are read
+    assert np.abs(edited.logits - fresh).max() > 1e-5  # and the suffix cells are the stale ones (no recompute)
+
+
+def test_operations_agree_with_the_hf_oracle_on_the_same_gguf(engine, smollm, template):
+    from kvprobe.backends.oracle import OPERATIONS, compare_instance
+    from kvprobe.tasks.gated import generate_instances
+
+    rows = [compare_instance(smollm, engine, template, inst)
+            for inst in generate_instances(template, 1, seed=0, n_filler=2)]
+    for row in rows:
+        for name in OPERATIONS:
+            op = row["operations"][name]
+            assert op["cos_vs_hf"] >= COS_VS_HF, (name, op)
+            assert op["cos_vs_self"] >= COS_VS_SELF, (name, op)
+            if abs(op["hf_ld"]) >= DECISION_MARGIN:
+                assert op["agree_vs_hf"], (name, op)
+            if abs(op["engine_ref_ld"]) >= DECISION_MARGIN:
+                assert op["agree_vs_self"], (name, op)
+        assert row["operations"]["in_place"]["engine_decoded"] == len(row["field_slots"]) + 1
