@@ -114,7 +114,8 @@ def _compare(args: argparse.Namespace) -> int:
     elif args.split == "validation_email":
         print("the second validation format: judged against the test draws before it joins the choosing rule")
     else:
-        print("test draws: reported, never used to choose a recipe")
+        print("test draws: reported, not a choosing rule (the older ones were read during the search; sealed-1 "
+              "is the held-out draw)")
     return 0
 
 

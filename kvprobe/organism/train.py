@@ -800,7 +800,8 @@ def train_organism_v3(recipe: Recipe, out_dir: Path, resume: bool = True, progre
         "data_hashes": {"train": _seq_hash(train_examples),
                         "eval": data_hash([pair for items in eval_sets.values() for _, pair in items])},
         "selection": "recipe chosen on the validation sets only (validation families, the validation format "
-                     "and the train formats); the test sets are reported, never used to choose",
+                     "and the train formats); test draws are scored after training, by `kvprobe organism test` alone "
+                     "(logged)",
         "heldout_eval": {"before": base_eval, "after": trained},
         "validation_curve": val_curve,
         "neutral_perplexity": {"before": base_ppl, "after": trained_ppl, "text": NEUTRAL_TEXT.name,
