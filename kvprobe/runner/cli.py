@@ -25,16 +25,24 @@ def _cmd_run(args: argparse.Namespace) -> int:
         os.environ["HF_HUB_OFFLINE"] = "1"  # transformers' own hub lookups honour it too
     path, record = run_experiment(cfg, overwrite=args.overwrite, fresh=args.fresh, progress=not args.quiet,
                                   config_source=args.config, offline=True if args.offline else None,
-                                  tol_nats=args.tol_nats)
+                                  tol_nats=args.tol_nats, publish=args.publish)
     exp = get_experiment(cfg.experiment)
     if exp.table is not None:
         print(exp.table(record["summary"]))
+    from kvprobe.runner.report import interpretation
+
+    sentence = interpretation(record)
+    if sentence:
+        print(sentence)
     print(f"record: {path}")
     if "reproduction" in record:
         from kvprobe.runner.reproduce import reproduction_table
 
         print(reproduction_table(record["reproduction"]))
         print("(this config's record is committed, so this run went to runs/; --overwrite replaces the committed one)")
+    elif path.parts[:1] == ("runs",):
+        print("(scratch: the study (study.yaml) does not publish this config, so its record went to runs/, "
+              "where no report, claim or figure reads it; --publish writes it to results/)")
     return 0
 
 
@@ -94,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (dotted), repeatable")
     run.add_argument("--output-dir", help="where records go (default: results)")
     run.add_argument("--overwrite", action="store_true", help="replace a finished record of the same config")
+    run.add_argument("--publish", action="store_true",
+                     help="write the record to results/ even if the study (study.yaml) does not publish it")
     run.add_argument("--fresh", action="store_true", help="discard a partial run instead of resuming it")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.add_argument("--offline", action="store_true",

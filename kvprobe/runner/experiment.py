@@ -128,14 +128,23 @@ def verification_dir(output_dir: str | Path) -> Path:
     return Path(output_dir).parent / "runs"
 
 
+def _study_publishes(model: str, chash: str) -> bool:
+    from kvprobe.study import is_published
+
+    return is_published(model, chash)
+
+
 def run_experiment(cfg: RunConfig, overwrite: bool = False, fresh: bool = False, lm: Any = None,
                    progress: bool = True, config_source: str = "<config>", offline: bool | None = None,
-                   tol_nats: float | None = None) -> tuple[Path, dict[str, Any]]:
+                   tol_nats: float | None = None, publish: bool = False) -> tuple[Path, dict[str, Any]]:
     """Run ``cfg`` end to end and return (record path, record).
 
     If ``results/`` already holds the record of this exact config and ``overwrite`` is not given, the run is
     a reproduction: it is written under ``runs/`` (untracked) and the returned record carries a
-    ``reproduction`` block comparing it with the committed one (:mod:`kvprobe.runner.reproduce`)."""
+    ``reproduction`` block comparing it with the committed one (:mod:`kvprobe.runner.reproduce`).
+    Otherwise the record goes to ``results/`` only if the study publishes this config
+    (:func:`kvprobe.study.is_published`) or ``publish`` is given; any other run (a smoke run, a ``--set``
+    override) is scratch and goes to ``runs/``. An ``output_dir`` set explicitly is always honoured."""
     import torch
 
     from kvprobe.runner.reproduce import DEFAULT_TOL_NATS, compare_records
@@ -156,7 +165,11 @@ def run_experiment(cfg: RunConfig, overwrite: bool = False, fresh: bool = False,
         if path.exists():
             log.warning("replacing the earlier reproduction run %s (an untracked copy; the committed record "
                         "%s is left as it is)", path, reference)
-    writer = RecordWriter(path, overwrite=overwrite or reference is not None, fresh=fresh)
+    scratch = reference is None and not publish and "output_dir" not in cfg.model_fields_set \
+        and not _study_publishes(cfg.model, chash)
+    if scratch:  # never beside the published records: a later `make report` would read it
+        path = record_path(verification_dir(cfg.output_dir), exp.name, cfg.model, chash)
+    writer = RecordWriter(path, overwrite=overwrite or reference is not None or scratch, fresh=fresh)
     t0 = time.perf_counter()
     if lm is None:
         from kvprobe.models.loading import load_model

@@ -33,6 +33,47 @@ def latest_records(results_dir: str | Path) -> list[dict[str, Any]]:
     return [newest[k] for k in sorted(newest)]
 
 
+def _organism_for(model: str) -> str | None:
+    """The study's organism of ``model``'s family (the one that gates where its base model does not)."""
+    from kvprobe.study import load_study
+
+    models = load_study().models
+    family = models[model].family if model in models else next(
+        (e.family for name, e in models.items() if model.startswith(name)), None)
+    return next((name for name, e in models.items() if e.kind == "organism" and e.family == family),
+                next((name for name, e in models.items() if e.kind == "organism"), None))
+
+
+def interpretation(record: dict[str, Any]) -> str | None:
+    """One plain sentence on what a run's numbers mean beside the paper's, for the terminal after its table."""
+    summary, model, exp_name = record["summary"], record["model"]["name"], record["experiment"]
+    if summary.get("n_included", 1) == 0:
+        organism = _organism_for(model)
+        show = f" To see the effect on an embedded model: make exp-{exp_name} MODEL={organism}" if organism else ""
+        return (f"No instance passed the inclusion rule: {model} does not gate its decision on the field in this "
+                f"task (the oracle moves it by less than {summary.get('gate', {}).get('min_flip', 0.5)} nats), so "
+                f"the recoveries above measure nothing the paper measures.{show}")
+    if exp_name != "locality":
+        return None
+    rec = summary.get("recovery", {})
+    fo, fd = rec.get("field_only", {}).get("gated", {}), rec.get("full_downstream", {}).get("gated", {})
+    if fo.get("mean") is None or fd.get("mean") is None:
+        return None
+    paper = get_experiment(exp_name).paper.get(template_stem(record), "field-only -0.028, full-downstream 1.0 "
+                                                                      "(Llama-3.1-8B)")
+    if abs(fo["mean"]) < 0.2:
+        reading = "so, as in the paper, the conclusion is held in the note tokens after the field, not in the field"
+    elif fo["mean"] > 0.5:
+        reading = ("so, unlike the paper's template result, the field's own entries carry most of it (RESULTS.md: "
+                   "e.g. where the rule comes before the field)")
+    else:
+        reading = "so the field's own entries carry part of it"
+    return (f"On the {summary['n_included']} of {summary['n_instances']} instances where the field decides the "
+            f"answer, refreshing only the field's cache entries recovers {fo['mean']:.2f} of the effect of "
+            f"re-reading the prompt and refreshing everything from the field on recovers {fd['mean']:.2f} "
+            f"(paper: {paper}), {reading}.")
+
+
 def gate_cells(summary: dict[str, Any]) -> tuple[str, str]:
     if "n_included" not in summary:  # e.g. transplant: no field change, no gate
         return f"- / {summary.get('n_instances', '?')}", "-"
