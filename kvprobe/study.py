@@ -38,6 +38,7 @@ class StudyModel(_Strict):
     about: str = Field(description="what the model is, one line")
     use_when: str = Field(description="when to use it, one line")
     load: str = Field(description="load time once cached")
+    main_task: str = Field("gated", description="the prompt shape its headline numbers use, where it has several")
     runs: list[StudyRun] = Field(min_length=1)
 
 
@@ -157,3 +158,21 @@ def select(records: Sequence[dict[str, Any]], experiment: str, task: str | None 
     """Published records of one experiment (and task, and model when given): figures select by all three."""
     return [r for r in records if r["experiment"] == experiment and (task is None or r["_task"] == task)
             and (model is None or r["model"]["name"] == model)]
+
+
+def main_records(published: Sequence[dict[str, Any]], study_path: str | Path | None = None
+                 ) -> dict[tuple[str, str], dict[str, Any]]:
+    """One record per (experiment, model) among ``published``: the model's ``main_task`` if it has a record on it,
+    else its template task (``gated`` / ``polarity``, not generated instances), else its first in study order.
+    What a figure draws for that model and what the claims summary's column reads."""
+    models = load_study(study_path).models
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for rec in published:
+        key = (rec["experiment"], rec["model"]["name"])
+        main = models[key[1]].main_task if key[1] in models else "gated"
+
+        def rank(r: dict[str, Any]) -> int:
+            return 0 if r["_task"] == main else 1 if not r["_task"].startswith("generated_") else 2
+        if key not in out or rank(rec) < rank(out[key]):
+            out[key] = rec
+    return out

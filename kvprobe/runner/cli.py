@@ -79,12 +79,16 @@ def _cmd_report(args: argparse.Namespace) -> int:
     if not rows:
         raise KVProbeError(f"no records under {args.results}/ (run an experiment first: make exp-locality)")
     if args.check:
-        stale = stale_documents(args.check, args.results)
+        from kvprobe.runner.pages import stale_pages
+
+        stale = [*stale_documents(args.check, args.results), *stale_pages(args.results, args.pages)]
         for p in stale:
             print(f"{p}: its generated blocks differ from the records (run `make report`)")
         return 1 if stale else 0
     if args.write:
-        changed = write_documents(args.write, args.results)
+        from kvprobe.runner.pages import write_pages
+
+        changed = [*write_documents(args.write, args.results), *write_pages(args.results, args.pages)]
         print("regenerated: " + (", ".join(map(str, changed)) if changed else "nothing changed"))
         return 0
     print(markdown_table(rows))
@@ -127,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="regenerate the <!-- kvprobe:NAME --> blocks of these markdown files in place")
     report.add_argument("--check", nargs="+", metavar="FILE",
                         help="exit 1 if these files' generated blocks differ from the records")
+    report.add_argument("--pages", default="docs/results",
+                        help="with --write / --check: the folder of generated per-experiment and archive pages")
     report.add_argument("--compare", nargs=2, metavar=("MODEL_A", "MODEL_B"),
                         help="two models side by side on every (experiment, task) both have records for")
     report.set_defaults(func=_cmd_report)

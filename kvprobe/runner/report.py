@@ -139,13 +139,71 @@ _BLOCK = re.compile(r"(<!-- kvprobe:(?P<name>[a-z_]+)(?P<args>(?: [^\s>]+)*) -->
                     r"(<!-- /kvprobe:(?P=name) -->)", re.S)
 
 
-def headline_table(results_dir: str | Path = "results", experiment: str = "locality", task: str = "gated") -> str:
-    """The README's short table: one experiment's headline on every model (default: locality, Fig. 3a)."""
-    rows = [r for r in report_rows(results_dir, [experiment]) if r[1] == task]
-    cols = ("model", "included / all", "oracle flip median (nats)", "headline (mean [95% CI])")
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(c.replace("|", "/") for c in (r[2], r[3], r[4], r[5])) + " |" for r in rows]
-    return "\n".join(lines)
+_PUBLISHED: dict[tuple[str, tuple[tuple[str, float], ...]], list[dict[str, Any]]] = {}
+
+
+def published(results_dir: str | Path = "results") -> list[dict[str, Any]]:
+    """The records the study publishes (:mod:`kvprobe.study`), each tagged with its task name ``_task``.
+
+    Cached on the record files' names and modification times: one report reads them once, not per block."""
+    from kvprobe.study import published_records
+
+    files = tuple((str(p), p.stat().st_mtime) for p in sorted(Path(results_dir).glob("*/*/*.json")))
+    key = (str(results_dir), files)
+    if key not in _PUBLISHED:
+        _PUBLISHED.clear()
+        _PUBLISHED[key] = published_records(load_records(results_dir))
+    return _PUBLISHED[key]
+
+
+def _paper_value(exp: Any, task: str) -> str:
+    # generated instances are gated-decision pairs: the paper's value for the gated task applies
+    return exp.paper.get(task) or (exp.paper.get("gated", "") if task.startswith("generated_") else "")
+
+
+STUDY_COLUMNS = ("model", "task", "included / all", "oracle flip median (nats)", "ours: headline (mean [95% CI])",
+                 "paper")
+
+
+def study_rows(results_dir: str | Path, experiments: Sequence[str]) -> list[list[str]]:
+    """One row per published record of ``experiments`` (experiment, task, model), in study order."""
+    rows = []
+    for name in experiments:
+        exp = get_experiment(name)
+        for rec in published(results_dir):
+            if rec["experiment"] != name:
+                continue
+            gated, flip = gate_cells(rec["summary"])
+            headline = exp.headline(rec["summary"]) if exp.headline else "(no headline defined)"
+            rows.append([rec["model"]["name"], rec["_task"], gated, flip, headline, _paper_value(exp, rec["_task"])])
+    return rows
+
+
+def headline_table(results_dir: str | Path = "results", experiment: str = "locality") -> str:
+    """The README's short table: one experiment's headline on every published (task, model) (default: locality)."""
+    rows = [r[:5] for r in study_rows(results_dir, [experiment])]
+    return markdown_table(rows, STUDY_COLUMNS[:5])
+
+
+def section_table(results_dir: str | Path, *experiments: str) -> str:
+    if not experiments:
+        raise KVProbeError("the block 'kvprobe:section' takes experiment names: <!-- kvprobe:section locality -->")
+    return markdown_table(study_rows(results_dir, experiments), STUDY_COLUMNS)
+
+
+def study_table(results_dir: str | Path = "results") -> str:
+    """The study's models: what each is, when to use it, its load time, and how many runs it publishes."""
+    from kvprobe.study import load_study
+
+    rows = [[f"`{name}`", m.kind, m.about, m.use_when, m.load, str(len(m.runs))]
+            for name, m in load_study().models.items()]
+    return markdown_table(rows, ("model", "kind", "what it is", "when to use it", "load (cached, busy 2-core CPU)", "published runs"))
+
+
+def _claims_summary_block(results_dir: str | Path) -> str:
+    from kvprobe.runner.pages import claims_summary
+
+    return claims_summary(results_dir)
 
 
 def _claims_block(results_dir: str | Path) -> str:
@@ -196,6 +254,9 @@ def _compare_block(results_dir: str | Path, *models: str) -> str:
 GENERATORS: dict[str, Callable[..., str]] = {
     "report": lambda d: markdown_table(report_rows(d)),
     "headlines": headline_table,
+    "study": study_table,
+    "section": section_table,
+    "claims_summary": _claims_summary_block,
     "claims": _claims_block,
     "organism_seeds": _organism_seeds_block,
     "organism_validation": _organism_validation_block,
@@ -204,7 +265,7 @@ GENERATORS: dict[str, Callable[..., str]] = {
     "organism_decisions": _organism_decisions_block,
     "compare": _compare_block,
 }
-TAKES_ARGUMENTS = {"compare"}
+TAKES_ARGUMENTS = {"compare", "section"}
 
 
 def refresh_markdown(text: str, results_dir: str | Path = "results") -> str:
