@@ -167,12 +167,13 @@ def main_records(published: Sequence[dict[str, Any]], study_path: str | Path | N
     What a figure draws for that model and what the claims summary's column reads."""
     models = load_study(study_path).models
     out: dict[tuple[str, str], dict[str, Any]] = {}
+    # (records of one (experiment, task, model) come oldest first: a later one of the same rank replaces it)
     for rec in published:
         key = (rec["experiment"], rec["model"]["name"])
         main = models[key[1]].main_task if key[1] in models else "gated"
 
         def rank(r: dict[str, Any]) -> int:
             return 0 if r["_task"] == main else 1 if not r["_task"].startswith("generated_") else 2
-        if key not in out or rank(rec) < rank(out[key]):
+        if key not in out or rank(rec) < rank(out[key]) or rec["_task"] == out[key]["_task"]:
             out[key] = rec
     return out

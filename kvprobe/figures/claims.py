@@ -1,58 +1,98 @@
-"""The claims forest plot: per paper claim x model, ours (mean and 95% CI) beside the paper's value, the
-equivalence bounds or rate bound shaded, coloured by verdict (kvprobe.claims; paper Appendix G's
-confirmatory protocol). Claims whose inclusion filter left no instance are not drawn; identities are drawn
-grey. Reads records only.
+"""The claims summary figure: one row per paper claim, one marker per study model (its main record of that
+experiment), ours beside the paper's value, the verdict in the marker's shape; effects above, controls below.
+One page. Reads the committed claims table (``results/claims.json``) beside the records, or evaluates the
+claims on the records given when there is none. Identities are left out; the tests and CIs are on the pages.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import matplotlib.pyplot as plt
 
-from kvprobe.figures.common import save
+from kvprobe.figures.common import save, short_model
 
-COLORS = {"reproduced": "tab:green", "not reproduced": "tab:red", "not measurable": "tab:orange",
-          "identity": "tab:gray"}
+MODEL_COLORS = ("#1b6ca8", "#d1495b", "#2e8b57", "#8d6a9f")  # four study models at most per panel
+SHAPES = {"reproduced": ("o", True), "not reproduced": ("X", True), "outside the paper's range": ("D", True),
+          "inconclusive": ("s", False), "not measurable": ("o", False)}
+XLIM = (-0.3, 1.3)
+
+
+def _claims_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    paths = [Path(r["_path"]) for r in records if r.get("_path")]
+    table = paths[0].parents[2] / "claims.json" if paths else None
+    if table is not None and table.exists():
+        return list(json.loads(table.read_text()).get("claims", []))
+    from kvprobe.claims import claims_rows
+
+    return claims_rows(records)
+
+
+def _key(path: str | None) -> tuple[str, ...]:
+    return tuple(Path(path).parts[-3:]) if path else ()
+
+
+def _verdict(v: str) -> str:
+    return next((k for k in SHAPES if v.startswith(k)), "not measurable")
 
 
 def fig_claims(records: list[dict[str, Any]], path: Path) -> None:
-    from kvprobe.claims import claims_rows
+    from kvprobe.runner.pages import EXPERIMENT_ORDER
+    from kvprobe.study import main_records, published_records, study_models
 
-    rows = [r for r in claims_rows(records) if r["ours"].get("mean") is not None]
+    published = records if records and all("_task" in r for r in records) else published_records(records)
+    present = {r["model"]["name"] for r in published}
+    models = [m for m in study_models() if m in present][:len(MODEL_COLORS)] or sorted(present)[:len(MODEL_COLORS)]
+    main = {k: _key(r.get("_path")) for k, r in main_records(published).items()}
+    rows: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {}
+    paper: dict[tuple[str, str, str], float | None] = {}
+    for row in _claims_rows(published):
+        if "identity" in (row.get("status"), row.get("kind")) or row.get("verdict", "").startswith("identity"):
+            continue
+        if row["model"] not in models or main.get((row["experiment"], row["model"])) != _key(row.get("record")):
+            continue
+        role = "control" if row.get("role") == "control" else "effect"
+        key = (role, row["experiment"], row["claim"])
+        rows.setdefault(key, {})[row["model"]] = row
+        paper.setdefault(key, row.get("paper_point", row.get("paper_value")))
     if not rows:
         return
-    fig, ax = plt.subplots(figsize=(9, 0.32 * len(rows) + 1.6))
+    order = {e: i for i, e in enumerate(EXPERIMENT_ORDER)}
+    keys = sorted(rows, key=lambda k: (k[0] != "effect", order.get(k[1], len(order)), k[1]))
+    fig, ax = plt.subplots(figsize=(6.5, min(9.0, 1.5 + 0.19 * len(keys))))
     labels = []
-    for y, r in enumerate(reversed(rows)):
-        o, head = r["ours"], r["verdict"].split(" (")[0]
-        color = COLORS.get(head, "black")
-        if r.get("bounds"):
-            ax.plot(r["bounds"], [y, y], color=color, alpha=0.25, lw=7, solid_capstyle="butt")
-        elif r.get("bound") is not None:
-            ax.plot([r["bound"], 1.0], [y, y], color=color, alpha=0.25, lw=7, solid_capstyle="butt")
-        if o.get("ci_low") is not None:
-            ax.plot([o["ci_low"], o["ci_high"]], [y, y], color=color, lw=1.5)
-        ax.plot(o["mean"], y, "o", color=color, ms=5)
-        if r.get("paper_point") is not None:
-            ax.plot(r["paper_point"], y, "x", color="black", ms=6)
-        tmpl = "" if r["template"] == "gated" else f" [{r['template']}]"
-        labels.append(f"{r['claim']}{tmpl} - {r['model']}")
-    ax.set_yticks(range(len(labels)), labels, fontsize=7)
-    ax.set_ylim(-0.8, len(labels) - 0.2)
-    ax.axvline(0, color="black", lw=0.4)
-    ax.axvline(1, color="black", lw=0.4, ls=":")
-    handles = [plt.Line2D([], [], color=c, marker="o", ls="-", label=k) for k, c in COLORS.items()]
-    handles.append(plt.Line2D([], [], color="black", marker="x", ls="", label="paper"))
-    ax.set_xlabel("ours: mean [95% CI]; shaded: the bounds tested", fontsize=8)
-    ax.legend(handles=handles, fontsize=7, ncol=3, loc="upper right", bbox_to_anchor=(1.0, -0.6 / len(labels) - 0.04))
-    ax.set_title("Paper claims, ours vs paper (verdicts on BH q)", fontsize=9)
-    save(fig, path, dpi=100)  # one row per claim x model (hundreds): 130 dpi put the PNG over 2 MiB
-    # and at 460 rows 100 dpi does too: a 128-colour palette keeps it near 0.7 MiB (flat colours, no loss worth
-    # the name). Pillow is matplotlib's own image dependency.
-    from PIL import Image
-
-    with Image.open(path) as im:
-        palette = im.convert("RGB").quantize(colors=128)
-    palette.save(path, optimize=True)
+    for y, key in enumerate(reversed(keys)):
+        role, exp, claim = key
+        text = f"{exp}: {claim}"
+        labels.append(text if len(text) <= 70 else text[:68] + "..")
+        if paper[key] is not None:
+            ax.plot([min(max(paper[key], XLIM[0]), XLIM[1])], [y], marker="|", color="black", ms=9, mew=1.5)
+        for m, model in enumerate(models):
+            row = rows[key].get(model)
+            mean = (row or {}).get("ours", {}).get("mean")
+            if row is None or mean is None:
+                continue
+            shape, filled = SHAPES[_verdict(row["verdict"])]
+            x = min(max(mean, XLIM[0]), XLIM[1])
+            ax.plot([x], [y + (m - 1.5) * 0.13], marker=shape, ls="", ms=4.5, color=MODEL_COLORS[m],
+                    mfc=MODEL_COLORS[m] if filled else "white", mew=1.0)
+    n_effects = sum(k[0] == "effect" for k in keys)
+    if n_effects < len(keys):
+        ax.axhline(len(keys) - n_effects - 0.5, color="black", lw=0.8)
+        ax.text(XLIM[1], len(keys) - n_effects - 0.45, "effects above, controls below", ha="right", va="bottom",
+                fontsize=6)
+    ax.set_yticks(range(len(labels)), labels, fontsize=5.5)
+    ax.set_ylim(-0.7, len(labels) - 0.3)
+    ax.set_xlim(*XLIM)
+    ax.axvline(0, color="grey", lw=0.4)
+    ax.axvline(1, color="grey", lw=0.4, ls=":")
+    ax.tick_params(axis="x", labelsize=7)
+    ax.set_xlabel("our mean (recovery, rate or cosine; clipped to the axis); | the paper's value", fontsize=6.5)
+    handles = [plt.Line2D([], [], color=c, marker="o", ls="", label=short_model(m))
+               for m, c in zip(models, MODEL_COLORS)]
+    handles += [plt.Line2D([], [], color="black", marker=s, ls="", mfc="black" if f else "white", label=v)
+                for v, (s, f) in SHAPES.items()]
+    ax.legend(handles=handles, fontsize=6, ncol=3, loc="lower center", bbox_to_anchor=(0.35, 1.0), frameon=False)
+    save(fig, path, dpi=150)
