@@ -89,7 +89,7 @@ def fig_claims(records: list[dict[str, Any]], path: Path) -> None:
     ax.axvline(0, color="grey", lw=0.4)
     ax.axvline(1, color="grey", lw=0.4, ls=":")
     ax.tick_params(axis="x", labelsize=7)
-    ax.set_xlabel("our mean (recovery, rate or cosine; clipped to the axis); | the paper's value", fontsize=6.5)
+    ax.set_xlabel("our mean (recovery, rate or cosine), clipped to the axis;  |  the paper's value", fontsize=6)
     handles = [plt.Line2D([], [], color=c, marker="o", ls="", label=short_model(m))
                for m, c in zip(models, MODEL_COLORS)]
     handles += [plt.Line2D([], [], color="black", marker=s, ls="", mfc="black" if f else "white", label=v)

@@ -25,7 +25,7 @@ def fig3a_locality(records: list[dict[str, Any]], path: Path) -> None:
     if not per_model:
         return
     names = list(per_model)
-    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
     width = 0.2
     for m, name in enumerate(names):
         summary = per_model[name]["summary"]
@@ -44,7 +44,7 @@ def fig3a_locality(records: list[dict[str, Any]], path: Path) -> None:
     for n in names:
         s = per_model[n]["summary"]
         tag = f"{s['n_included']}/{s['n_instances']} incl." if s["n_included"] else f"0/{s['n_instances']} incl. (hatched)"
-        labels.append(f"{short_model(n)}\n{task_label(per_model[n])}; {tag}\n"
+        labels.append(f"{short_model(n)}\n{task_label(per_model[n])}\n{tag}\n"
                       f"flip median {s['oracle_flip'].get('median', float('nan')):.2f} nats")
     ax.set_xticks(range(len(names)), labels, fontsize=7)
     ax.set_ylim(*YLIM)

@@ -32,7 +32,7 @@ def fig3bc_suffix(records: list[dict[str, Any]], path: Path) -> None:
     a.set_ylabel("decision recovery", fontsize=7)
     a.axhline(1, color="black", lw=0.4, ls=":")
     paper_band(a, 0.74, 0.79, "paper top-8: 0.74-0.79")
-    b.set_xlabel("relative depth of patched layer(s)", fontsize=7)
+    b.set_xlabel("relative depth (solid: one layer; dashed: band)", fontsize=7)
     c.set_xlabel("relative position (field -> decision)", fontsize=7)
     c.set_ylabel("single-position recovery", fontsize=7)
     for ax in (a, b, c):
