@@ -137,6 +137,8 @@ def published_records(records: Sequence[dict[str, Any]], study_path: str | Path 
 
     Selection is by (model, record hash), so one record per (experiment, task, model): never the newest of a
     pile, never a smoke run beside it."""
+    if not set(load_study(study_path).models) & {r["model"]["name"] for r in records}:
+        return []  # no study model among them (a scratch folder): nothing to resolve
     by_key = {(r["model"]["name"], r.get("config_hash")): r for r in records}
     out = []
     for run in published_runs(study_path):

@@ -12,7 +12,7 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 
-from kvprobe.figures.common import save, short_model
+from kvprobe.figures.common import save, short_model, tagged
 
 MODEL_COLORS = ("#1b6ca8", "#d1495b", "#2e8b57", "#8d6a9f")  # four study models at most per panel
 SHAPES = {"reproduced": ("o", True), "not reproduced": ("X", True), "outside the paper's range": ("D", True),
@@ -42,7 +42,9 @@ def fig_claims(records: list[dict[str, Any]], path: Path) -> None:
     from kvprobe.runner.pages import EXPERIMENT_ORDER
     from kvprobe.study import main_records, published_records, study_models
 
-    published = records if records and all("_task" in r for r in records) else published_records(records)
+    # the study's published records; a folder with none (a scratch folder, a test) is drawn from its own records
+    published = records if records and all("_task" in r for r in records) else \
+        published_records(records) or tagged(records)
     present = {r["model"]["name"] for r in published}
     models = [m for m in study_models() if m in present][:len(MODEL_COLORS)] or sorted(present)[:len(MODEL_COLORS)]
     main = {k: _key(r.get("_path")) for k, r in main_records(published).items()}
