@@ -28,7 +28,7 @@ help:
 	@echo "make gate MODEL=alias_or_dir    RoPE re-rotation correctness gate"
 	@echo "make test                        install and run the test suite (slow model tests included)"
 	@echo "make figures                     render every figure from the records in results/"
-	@echo "make report                      regenerate the tables in README.md and RESULTS.md from the records in results/"
+	@echo "make report                      regenerate the tables in README.md, RESULTS.md and docs/ from the published records"
 	@echo "make claims                      test every paper claim on the records (results/claims.json, figures/claims_forest.png)"
 	@echo "make models                      list model aliases and whether their weights are here"
 	@echo "make notebooks                   install JupyterLab (the notebooks extra) and open notebooks/"
@@ -64,7 +64,7 @@ claims: $(STAMP)
 	$(PY) -m kvprobe claims
 
 report: $(STAMP)
-	$(PY) -m kvprobe report --write README.md RESULTS.md
+	$(PY) -m kvprobe report --write README.md RESULTS.md docs/history/organisms.md
 
 models: $(STAMP)
 	$(PY) -m kvprobe models

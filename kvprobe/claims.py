@@ -712,6 +712,31 @@ def claims_document(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
                     "claims": slim})
 
 
+def expanded_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows of a claims file (:func:`claims_document`) with their declarations joined back in: each row gets
+    ``claim``, ``paper``, ``paper_value``, ... from ``declarations``, its ``experiment`` and ``key`` from its id,
+    and ``record`` as the path ``results/<experiment>/<model>/<record>.json``."""
+    declarations = doc.get("declarations", {})
+    out = []
+    for slim in doc.get("claims", []):
+        cid = slim["id"]
+        experiment, rest = cid.split(".", 1)
+        row = {**declarations.get(cid, {}), **slim, "experiment": experiment,
+               "key": rest.split("@")[0].split("[")[0]}
+        row.setdefault("template", "gated")
+        if slim.get("record"):
+            row["record"] = f"results/{experiment}/{slim['model']}/{slim['record']}.json"
+        out.append(row)
+    return out
+
+
+def read_claims(path: str | Path) -> list[dict[str, Any]]:
+    """The committed claims table (``results/claims.json``) as full rows (:func:`expanded_rows`)."""
+    import json
+
+    return expanded_rows(json.loads(Path(path).read_text()))
+
+
 def _write_document(path: Path, doc: dict[str, Any]) -> None:
     """Atomically, compact JSON with one claims row per line (small, and a diff shows which rows changed)."""
     import json

@@ -1,5 +1,6 @@
 """The README stays a newcomer's page and the generated tables in README.md / RESULTS.md match the records."""
 
+import json
 import re
 from pathlib import Path
 
@@ -12,10 +13,34 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_generated_blocks_match_the_committed_records():
-    docs = [REPO / "README.md", REPO / "RESULTS.md"]
+    from kvprobe.runner.pages import stale_pages
+
+    docs = [REPO / "README.md", REPO / "RESULTS.md", REPO / "docs" / "history" / "organisms.md"]
     assert stale_documents(docs, REPO / "results") == [], "run `make report` and commit README.md / RESULTS.md"
+    assert stale_pages(REPO / "results", REPO / "docs" / "results") == [], "run `make report` and commit docs/results"
     for doc in docs:  # every block was generated, none left as a placeholder
         assert "(generated)" not in doc.read_text()
+    assert len((REPO / "RESULTS.md").read_bytes()) <= 80_000  # the curated page; detail lives in docs/results
+
+
+def test_published_tables_ignore_a_smoke_record_beside_them(tmp_path):
+    """A scratch record in results/ (e.g. from --output-dir results) changes no published table or page."""
+    import shutil
+
+    from kvprobe.runner.pages import pages
+    from kvprobe.runner.report import headline_table
+
+    results = tmp_path / "results"
+    shutil.copytree(REPO / "results" / "locality", results / "locality")
+    shutil.copy(REPO / "results" / "claims.json", results / "claims.json")
+    before_table, before_page = headline_table(results), pages(results)["locality.md"]
+    src = next((results / "locality" / "smollm2-135m-gated-v2").glob("*.json"))
+    smoke = json.loads(src.read_text())
+    smoke.update(config_hash="0123456789ab", created="2099-01-01T00:00:00+00:00")
+    smoke["summary"]["n_instances"] = smoke["summary"]["n_included"] = 2
+    (results / "locality" / "smollm2-135m-gated-v3n2-seed2" / "0123456789ab.json").write_text(json.dumps(smoke))
+    assert headline_table(results) == before_table
+    assert pages(results)["locality.md"] == before_page
 
 
 def test_refresh_rewrites_only_the_blocks(tmp_path):

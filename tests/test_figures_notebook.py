@@ -57,7 +57,7 @@ def test_results_notebook_runs_on_records(results, tmp_path):
 
 def _fake_locality(name: str, template: str, field_only: float) -> dict:
     stat = {"all": {"mean": field_only, "ci_low": field_only, "ci_high": field_only}, "gated": {"mean": None}}
-    return {"model": {"name": name}, "config": {"task": {"template": template}},
+    return {"experiment": "locality", "model": {"name": name}, "config": {"task": {"template": template}},
             "summary": {"n_included": 0, "n_instances": 2, "oracle_flip": {"median": 0.1},
                         "recovery": {s: stat for s in ("stale", "field_only", "full_downstream", "oracle")}}}
 
@@ -70,8 +70,12 @@ def test_off_template_records_never_replace_the_main_bar(tmp_path):
     off_rec = _fake_locality("m", "configs/tasks/twohop.yaml", 0.9)
     assert latest_per_model([main_rec, off_rec], GATED_TEMPLATE)["m"] is main_rec
     assert latest_per_model([main_rec, off_rec])["m"] is off_rec
-    fig3a_locality([off_rec], tmp_path / "a.png")  # nothing on the main template: no figure, no error
-    assert not (tmp_path / "a.png").exists()
+    from kvprobe.figures.common import main_per_model
+
+    assert main_per_model([main_rec, off_rec])["m"]["_task"] == "gated"  # Fig. 3a's bar: the template, labelled
+    assert main_per_model([off_rec])["m"]["_task"] == "twohop"  # a model measured off-template only: that, labelled
+    fig3a_locality([main_rec, off_rec], tmp_path / "a.png")
+    assert (tmp_path / "a.png").stat().st_size > 5000
     figC_offtemplate([main_rec, off_rec], tmp_path / "c.png")
     assert (tmp_path / "c.png").stat().st_size > 5000
 

@@ -69,11 +69,23 @@ FIGURES["sec9_tau2"] = ("tau2", sec9_tau2)  # Sec. 9: τ²-bench retail
 
 
 def render_all(results_dir: str | Path = "results", out_dir: str | Path = "figures") -> list[Path]:
+    """Every figure from the records the study publishes (``study.yaml``), never from scratch or archive records:
+    each figure gets the published records of its experiment, tagged with their task (``_task``). A folder with
+    no published record at all (a scratch folder: ``kvprobe figures --results runs``) is drawn from all of its
+    records, the newest per (experiment, task, model)."""
+    from kvprobe.runner.records import task_stem
+    from kvprobe.study import published_records
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    records = load_records(results_dir)
+    published = published_records(records)
+    if not published:
+        newest = {(r["experiment"], task_stem(r), r["model"]["name"]): {**r, "_task": task_stem(r)} for r in records}
+        published = list(newest.values())
     written = []
     for stem, (experiment, draw) in FIGURES.items():
-        records = load_records(results_dir, experiment)
+        records = [r for r in published if not experiment or r["experiment"] == experiment]
         if not records:
             continue
         path = out / f"{stem}.png"

@@ -9,9 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import matplotlib.pyplot as plt
 import numpy as np
 
-from kvprobe.figures.common import latest_per_model, save
+from kvprobe.figures.common import latest_per_model, legend_below, model_color, paper_band, save, short_model
 from kvprobe.figures.mechanism import dose_axes, grouped_bars, plot_curve, tag
 from kvprobe.probes.summary import which
 
@@ -34,21 +35,25 @@ def _curve(block: dict[str, Any]) -> dict[str, Any]:
 def fig15a_heads(records: list[dict[str, Any]], path: Path) -> None:
     """(a) joint top-k read vs write heads with random-head controls; (f) per-head read effect by layer."""
     per_model = latest_per_model(records)
-    fig, axes = dose_axes("Read and write heads (paper Fig. 15a/f)", 1 + len(per_model), 4.2)
-    a = axes[0]
+    n = len(per_model)
+    fig = plt.figure(figsize=(6.5, 5.6))
+    grid_spec = fig.add_gridspec(2, max(n, 1), height_ratios=(1.1, 1))
+    a = fig.add_subplot(grid_spec[0, :])
+    fig.suptitle("Read and write heads (paper Fig. 15a/f)", fontsize=10)
     for name, rec in per_model.items():
-        s, w = rec["summary"], which(rec["summary"])
-        keys = plot_curve(a, _curve(s["read_top"]), w, f"{tag(name, s)} read top-k")
-        plot_curve(a, _curve(s["read_random"]), w, f"{name} read random", ls=":", marker="x")
-        plot_curve(a, _curve(s["write_top"]), w, f"{name} write top-k", ls="--", marker="s")
-        plot_curve(a, _curve(s["write_random"]), w, f"{name} write random", ls=":", marker="+")
+        s, w, col = rec["summary"], which(rec["summary"]), model_color(name)
+        keys = plot_curve(a, _curve(s["read_top"]), w, f"{tag(name, s)} read top-k", color=col)
+        plot_curve(a, _curve(s["read_random"]), w, f"{short_model(name)} read random", ls=":", marker="x", color=col)
+        plot_curve(a, _curve(s["write_top"]), w, f"{short_model(name)} write top-k", ls="--", marker="s", color=col)
         a.set_xticks(range(len(keys)), keys)
-    a.set_xlabel("k heads patched jointly (stale -> oracle)")
-    a.set_ylabel("decision recovery")
+    a.plot(range(5), [0.19, 0.45, 0.59, 0.70, 0.78], "k*--", ms=6, lw=0.8, label="paper read top-k (Llama-3.1-8B)")
+    a.set_xlabel("k heads patched jointly (stale -> oracle)", fontsize=8)
+    a.set_ylabel("decision recovery", fontsize=8)
     a.axhline(0, color="black", lw=0.5)
     a.axhline(1, color="black", lw=0.4, ls=":")
-    a.legend(fontsize=5)
-    for ax, (name, rec) in zip(axes[1:], per_model.items()):
+    a.legend(fontsize=5.5, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    for i, (name, rec) in enumerate(per_model.items()):
+        ax = fig.add_subplot(grid_spec[1, i])
         s, w = rec["summary"], which(rec["summary"])
         grid = np.full((s["n_layers"], s["n_heads"]), np.nan)
         for e in s["read_heads"]:
@@ -56,10 +61,14 @@ def fig15a_heads(records: list[dict[str, Any]], path: Path) -> None:
                 grid[e["layer"], e["q_head"]] = e[w]["mean"]
         lim = np.nanmax(np.abs(grid)) if np.isfinite(grid).any() else 1.0
         im = ax.imshow(grid, aspect="auto", cmap="RdBu_r", vmin=-lim, vmax=lim, origin="lower")
-        ax.set_title(f"{name}: read head recovery", fontsize=8)
-        ax.set_xlabel(f"query head (groups of {s['group_size']} share a KV head)")
-        ax.set_ylabel("layer")
-        fig.colorbar(im, ax=ax, fraction=0.05)
+        ax.set_title(f"{short_model(name)}\nread heads by layer", fontsize=7)
+        ax.set_xlabel(f"query head ({s['group_size']} per KV head)", fontsize=6)
+        ax.set_ylabel("layer", fontsize=7)
+        ax.tick_params(labelsize=6)
+        cbar = fig.colorbar(im, ax=ax, fraction=0.08)
+        cbar.ax.tick_params(labelsize=5)
+    fig.tight_layout()
+    fig._kvprobe_laid_out = True
     save(fig, path)
 
 
@@ -67,22 +76,26 @@ def fig15c_write_share(records: list[dict[str, Any]], path: Path) -> None:
     """Per layer: recovery from the attention vs the MLP output at the notes, and the decomposition share."""
     fig, (a, b) = dose_axes("Attention vs MLP writes the note (paper Fig. 15c)", 2, 4.8)
     for name, rec in latest_per_model(records).items():
-        s, w = rec["summary"], which(rec["summary"])
+        s, w, col = rec["summary"], which(rec["summary"]), model_color(name)
         n = s["n_layers"]
         depth = lambda i, k: (int(k) + 1) / n  # noqa: E731
-        plot_curve(a, _curve(s["attn_out"]), w, f"{tag(name, s)} attention", x=depth, marker=".")
-        plot_curve(a, _curve(s["mlp_out"]), w, f"{name} MLP", x=depth, marker="x", ls="--")
-        plot_curve(b, _curve(s["decomposition_attn_share"]), w, name, x=depth, marker=".")
+        plot_curve(a, _curve(s["attn_out"]), w, f"{tag(name, s)} attention", x=depth, marker=".", ms=3, color=col)
+        plot_curve(a, _curve(s["mlp_out"]), w, f"{short_model(name)} MLP", x=depth, marker="x", ms=3, ls="--",
+                   color=col)
+        plot_curve(b, _curve(s["decomposition_attn_share"]), w, short_model(name), x=depth, marker=".", ms=3,
+                   color=col)
         c = s["causal_layer"]
-        a.axvline((c["layer"] + 1) / n, color="grey", lw=0.5, ls=":")
-    a.set_xlabel("relative depth of the patched block")
-    a.set_ylabel("decision recovery (block output at the notes, stale -> oracle)")
+        a.axvline((c["layer"] + 1) / n, color=col, lw=0.5, ls=":")
+    a.set_xlabel("relative depth of the patched block", fontsize=8)
+    a.set_ylabel("recovery from the block's output at the notes", fontsize=7)
     a.axhline(0, color="black", lw=0.5)
-    a.legend(fontsize=6)
-    b.set_xlabel("relative depth L")
-    b.set_ylabel("attention share of the residual change at the notes after L")
+    b.set_xlabel("relative depth L", fontsize=8)
+    b.set_ylabel("attention share of the residual change", fontsize=7)
     b.axhline(0.5, color="black", lw=0.4, ls=":")
-    b.legend(fontsize=6)
+    paper_band(b, 0.60, 0.62, "paper Llama 0.60-0.62")
+    for ax in (a, b):
+        ax.tick_params(labelsize=7)
+    legend_below(fig, a, ncol=2)
     save(fig, path)
 
 
@@ -97,12 +110,18 @@ def fig15d_scrubbing(records: list[dict[str, Any]], path: Path) -> None:
     keys = [k for k in SCRUB_BARS if any(k in r["summary"]["fraction"] for r in per_model.values())]
     grouped_bars(a, per_model, keys, [f"C{i}" for i in range(len(keys))],
                  lambda s, k: _stat(s["fraction"].get(k, {}).get(which(s))))
-    a.set_ylabel("fraction of the effect recovered")
-    a.legend(fontsize=6)
+    a.set_ylabel("fraction of the effect recovered", fontsize=8)
     grouped_bars(b, per_model, ["drift", "note", "rest"], ["C7", "C3", "C0"],
                  lambda s, k: _stat(s["paper_metrics"][k][which(s)]))
-    b.set_ylabel("share of the stale -> oracle gap")
-    b.legend(fontsize=6)
+    b.set_ylabel("share of the stale -> oracle gap", fontsize=8)
+    paper_band(b, 0.68, 0.82, "paper note 0.68-0.82", color="C3")
+    paper_band(b, 0.18, 0.32, "paper rest 0.18-0.32", color="C0")
+    for ax in (a, b):
+        ax.set_xticks(ax.get_xticks(), [t.get_text().replace(" (", "\n(") for t in ax.get_xticklabels()], fontsize=6)
+        ax.tick_params(axis="y", labelsize=7)
+    legend_below(fig, a, ncol=4)
+    h, lab = b.get_legend_handles_labels()
+    b.legend(h, lab, fontsize=6, loc="upper left", frameon=False)
     save(fig, path)
 
 

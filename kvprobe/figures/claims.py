@@ -1,8 +1,7 @@
-"""The claims figure (kvprobe.claims; paper Appendix H's confirmatory protocol), page-sized: per model, how
-many of the paper's effects reached each verdict (left), and, apart, the controls, sanity checks and
-identities (right). Bars are counts of claim x task rows; the left panel's label is the headline, "k of N paper
-effects reproduced" (effects with a paper number only). The per-row numbers (ours with its interval, the
-paper's value, the bounds, power) are in the claims table and ``results/claims.json``. Reads records only.
+"""The claims summary figure: one row per paper claim, one marker per study model (its main record of that
+experiment), ours beside the paper's value, the verdict in the marker's shape; effects above, controls below.
+One page. Reads the committed claims table (``results/claims.json``) beside the records, or evaluates the
+claims on the records given when there is none. Identities are left out; the tests and CIs are on the pages.
 """
 
 from __future__ import annotations
@@ -12,58 +11,89 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 
-from kvprobe.figures.common import save
+from kvprobe.figures.common import save, short_model, tagged
 
-COLORS = {"reproduced": "tab:green", "outside the paper's range": "tab:purple", "inconclusive": "tab:olive",
-          "not reproduced": "tab:red", "not measurable": "tab:orange", "identity": "tab:gray",
-          "no paper number": "lightgray"}
+MODEL_COLORS = ("#1b6ca8", "#d1495b", "#2e8b57", "#8d6a9f")  # four study models at most per panel
+SHAPES = {"reproduced": ("o", True), "not reproduced": ("X", True), "outside the paper's range": ("D", True),
+          "inconclusive": ("s", False), "not measurable": ("o", False)}
+XLIM = (-0.3, 1.3)
 
 
-def _counts(rows: list[dict[str, Any]], models: list[str]) -> dict[str, list[int]]:
-    out = {v: [0] * len(models) for v in COLORS}
-    for r in rows:
-        head = r["verdict"].split(" (")[0]
-        out.setdefault(head, [0] * len(models))[models.index(r["model"])] += 1
-    return out
+def _claims_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    paths = [Path(r["_path"]) for r in records if r.get("_path")]
+    table = paths[0].parents[2] / "claims.json" if paths else None
+    from kvprobe.claims import claims_rows, read_claims
+
+    if table is not None and table.exists():
+        return read_claims(table)
+    return claims_rows(records)
+
+
+def _key(path: str | None) -> tuple[str, ...]:
+    return tuple(Path(path).parts[-3:]) if path else ()
+
+
+def _verdict(v: str) -> str:
+    return next((k for k in SHAPES if v.startswith(k)), "not measurable")
 
 
 def fig_claims(records: list[dict[str, Any]], path: Path) -> None:
-    from kvprobe.claims import claims_rows, headline
+    from kvprobe.runner.pages import EXPERIMENT_ORDER
+    from kvprobe.study import main_records, published_records, study_models
 
-    rows = claims_rows(records)
+    # the study's published records; a folder with none (a scratch folder, a test) is drawn from its own records
+    published = records if records and all("_task" in r for r in records) else \
+        published_records(records) or tagged(records)
+    present = {r["model"]["name"] for r in published}
+    models = [m for m in study_models() if m in present][:len(MODEL_COLORS)] or sorted(present)[:len(MODEL_COLORS)]
+    main = {k: _key(r.get("_path")) for k, r in main_records(published).items()}
+    rows: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {}
+    paper: dict[tuple[str, str, str], float | None] = {}
+    for row in _claims_rows(published):
+        if "identity" in (row.get("status"), row.get("kind")) or row.get("verdict", "").startswith("identity"):
+            continue
+        if row["model"] not in models or main.get((row["experiment"], row["model"])) != _key(row.get("record")):
+            continue
+        role = "control" if row.get("role") == "control" else "effect"
+        key = (role, row["experiment"], row["claim"])
+        rows.setdefault(key, {})[row["model"]] = row
+        paper.setdefault(key, row.get("paper_point", row.get("paper_value")))
     if not rows:
         return
-    models = sorted({r["model"] for r in rows})
-    heads = headline(rows)
-    fig, axes = plt.subplots(1, 2, figsize=(12, 0.42 * len(models) + 1.8), sharey=True)
-    for ax, role, title in ((axes[0], "effect", "the paper's effects"),
-                            (axes[1], "control", "controls, sanity checks, identities")):
-        part = [r for r in rows if (r.get("role") or "control") == role]
-        left = [0] * len(models)
-        for verdict, counts in _counts(part, models).items():
-            if not any(counts):
+    order = {e: i for i, e in enumerate(EXPERIMENT_ORDER)}
+    keys = sorted(rows, key=lambda k: (k[0] != "effect", order.get(k[1], len(order)), k[1]))
+    fig, ax = plt.subplots(figsize=(6.5, min(9.0, 1.5 + 0.19 * len(keys))))
+    labels = []
+    for y, key in enumerate(reversed(keys)):
+        role, exp, claim = key
+        text = f"{exp}: {claim}"
+        labels.append(text if len(text) <= 70 else text[:68] + "..")
+        if paper[key] is not None:
+            ax.plot([min(max(paper[key], XLIM[0]), XLIM[1])], [y], marker="|", color="black", ms=9, mew=1.5)
+        for m, model in enumerate(models):
+            row = rows[key].get(model)
+            mean = (row or {}).get("ours", {}).get("mean")
+            if row is None or mean is None:
                 continue
-            ax.barh(range(len(models)), counts, left=left, color=COLORS.get(verdict, "black"), label=verdict)
-            left = [a + b for a, b in zip(left, counts)]
-        if role == "control":  # room for the legend on the right
-            ax.set_xlim(0, max(max(left), 1) * 1.5)
-        ax.set_title(f"{title} (BH within this family)", fontsize=9)
-        ax.set_xlabel("claim x task rows", fontsize=8)
-        ax.tick_params(labelsize=7)
-        if role == "effect":
-            for y, m in enumerate(models):
-                h = heads.get(m)
-                if h:
-                    ax.text(left[y] + 0.3, y, f"{h['reproduced']} of {h['effects']}", va="center", fontsize=7)
-    axes[0].set_yticks(range(len(models)), models, fontsize=7)
-    axes[0].invert_yaxis()
-    handles, labels = [], []
-    for ax in axes:
-        for h, lab in zip(*ax.get_legend_handles_labels()):
-            if lab not in labels:
-                handles.append(h)
-                labels.append(lab)
-    axes[1].legend(handles, labels, fontsize=7, loc="lower right")
-    fig.suptitle("Paper claims per model: k of N paper effects reproduced (left), controls apart (right)",
-                 fontsize=10)
-    save(fig, path, dpi=110)
+            shape, filled = SHAPES[_verdict(row["verdict"])]
+            x = min(max(mean, XLIM[0]), XLIM[1])
+            ax.plot([x], [y + (m - 1.5) * 0.13], marker=shape, ls="", ms=4.5, color=MODEL_COLORS[m],
+                    mfc=MODEL_COLORS[m] if filled else "white", mew=1.0)
+    n_effects = sum(k[0] == "effect" for k in keys)
+    if n_effects < len(keys):
+        ax.axhline(len(keys) - n_effects - 0.5, color="black", lw=0.8)
+        ax.text(XLIM[1], len(keys) - n_effects - 0.45, "effects above, controls below", ha="right", va="bottom",
+                fontsize=6)
+    ax.set_yticks(range(len(labels)), labels, fontsize=5.5)
+    ax.set_ylim(-0.7, len(labels) - 0.3)
+    ax.set_xlim(*XLIM)
+    ax.axvline(0, color="grey", lw=0.4)
+    ax.axvline(1, color="grey", lw=0.4, ls=":")
+    ax.tick_params(axis="x", labelsize=7)
+    ax.set_xlabel("our mean (recovery, rate or cosine), clipped to the axis;  |  the paper's value", fontsize=6)
+    handles = [plt.Line2D([], [], color=c, marker="o", ls="", label=short_model(m))
+               for m, c in zip(models, MODEL_COLORS)]
+    handles += [plt.Line2D([], [], color="black", marker=s, ls="", mfc="black" if f else "white", label=v)
+                for v, (s, f) in SHAPES.items()]
+    ax.legend(handles=handles, fontsize=6, ncol=3, loc="lower center", bbox_to_anchor=(0.35, 1.0), frameon=False)
+    save(fig, path, dpi=150)

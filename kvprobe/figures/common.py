@@ -17,19 +17,68 @@ def task_template(record: dict[str, Any]) -> str:
 
 
 def latest_per_model(records: list[dict[str, Any]], template: str | None = None) -> dict[str, dict[str, Any]]:
-    """The newest record for each model name (records come sorted oldest first).
+    """One record per model.
 
-    With ``template`` only records of that task (:func:`task_template`) count, so that an off-template run of
-    the same experiment (e.g. locality on the two-hop task) never replaces the main figure's bar. Without it,
-    records of generated instances (``task.generator``) are left out: they are variants of a probe, not its
-    main run, and are read by name where a figure wants them.
+    On published records (tagged ``_task`` by :func:`kvprobe.study.published_records`; what ``render_all``
+    passes): without ``template``, the model's main record of the experiment (:func:`kvprobe.study.main_records`:
+    the prompt shape its headline uses); with ``template``, its record on that task template's own instances
+    (generated instances never count as the template's). On raw records (no ``_task``): the newest record per
+    model, of ``template`` if given, else of any task but generated instances.
     """
+    if records and all("_task" in r for r in records):
+        if template is None:
+            from kvprobe.study import main_records
+
+            return {model: rec for (_, model), rec in main_records(records).items()}
+        return {r["model"]["name"]: r for r in records
+                if task_template(r) == template and not r["_task"].startswith("generated_")
+                and r["_task"] == Path(template).stem}
     out: dict[str, dict[str, Any]] = {}
     for rec in records:
         task = task_template(rec)
-        if (task == template) if template is not None else not task.startswith("generator:"):
+        generated = bool(rec["config"]["task"].get("generator"))
+        if (task == template and not generated) if template is not None else not generated:
             out[rec["model"]["name"]] = rec
     return out
+
+
+def tagged(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Records with their task name ``_task`` (published records carry the study's; others their task stem)."""
+    from kvprobe.runner.records import task_stem
+
+    return [r if "_task" in r else {**r, "_task": task_stem(r)} for r in records]
+
+
+def main_per_model(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each model's main record (:func:`kvprobe.study.main_records`: the study's main prompt shape, else the
+    template, else generated instances)."""
+    from kvprobe.study import main_records
+
+    return {model: rec for (_, model), rec in main_records(tagged(records)).items()}
+
+
+def task_label(record: dict[str, Any]) -> str:
+    """A short name for the record's prompt shape, for axis labels."""
+    task = record.get("_task") or Path(task_template(record)).stem
+    return {"gated": "template", "generated_template_system_user": "chat layout"}.get(
+        task, task.replace("generated_test_", "test: ").replace("generated_", ""))
+
+
+MODEL_PALETTE = ("#1b6ca8", "#d1495b", "#2e8b57", "#8d6a9f", "#e08e0b", "#555555")
+
+
+def model_color(name: str) -> str:
+    """One colour per study model, the same in every panel and figure (study order)."""
+    from kvprobe.study import study_models
+
+    models = study_models()
+    return MODEL_PALETTE[models.index(name) % len(MODEL_PALETTE)] if name in models else MODEL_PALETTE[-1]
+
+
+def short_model(name: str) -> str:
+    """Model names short enough for a panel title or tick label."""
+    return (name.replace("qwen2.5-coder-0.5b", "qwen-0.5b").replace("smollm2-135m", "smollm2")
+            .replace("-gated-", " org. "))
 
 
 def bar_with_ci(ax, x: float, stat: dict[str, Any], width: float, color: str, label: str | None = None) -> None:
@@ -43,7 +92,35 @@ def bar_with_ci(ax, x: float, stat: dict[str, Any], width: float, color: str, la
     ax.errorbar(x, mean, yerr=[[mean - lo], [hi - mean]], fmt="none", ecolor="black", capsize=2, lw=0.8)
 
 
+def legend_below(fig, ax, ncol: int = 2, extra: Any = None) -> None:
+    """The legend of ``ax`` (and of ``extra`` axes) below the panels, never over the data; the layout leaves room
+    for it and for the figure's title."""
+    handles, labels = ax.get_legend_handles_labels()
+    for other in extra or ():
+        h, lab = other.get_legend_handles_labels()
+        handles, labels = handles + h, labels + lab
+    if not handles:
+        return
+    fig.legend(handles, labels, fontsize=6, ncol=ncol, loc="lower center", frameon=False)
+    height = fig.get_size_inches()[1]
+    rows = (len(labels) + ncol - 1) // ncol
+    top = 1 - 0.3 / height if fig._suptitle is not None else 1
+    fig.tight_layout(rect=(0, (0.1 + 0.12 * rows) / height, 1, top))
+    fig._kvprobe_laid_out = True
+
+
+def paper_band(ax, low: float, high: float, label: str, color: str = "black") -> None:
+    """The paper's value (a line) or range (a band) on the y axis, labelled at the right."""
+    if high - low < 1e-3:
+        ax.axhline(low, color=color, lw=0.9, ls="--")
+    else:
+        ax.axhspan(low, high, color=color, alpha=0.15, lw=0)
+    ax.annotate(label, (1.0, high), xycoords=("axes fraction", "data"), ha="right", va="bottom", fontsize=5.5,
+                color=color)
+
+
 def save(fig, path: Path, dpi: int = 130) -> None:
-    fig.tight_layout()
+    if not getattr(fig, "_kvprobe_laid_out", False):
+        fig.tight_layout()
     fig.savefig(path, dpi=dpi)
     plt.close(fig)

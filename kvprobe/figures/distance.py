@@ -14,6 +14,8 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 
+from kvprobe.figures.common import short_model
+
 PAPER_POINT = (544, -0.028)
 MARKERS = {"system_user": "o", "user_turn": "s", "document_qa": "^", "few_shot": "D", "tool_call": "v",
            "gated_template": "X", "email": "P"}
@@ -35,14 +37,15 @@ def _cells_per_model(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]
 
 
 def fig_locality_distance(records: list[dict[str, Any]], path: Path) -> None:
-    per_model = _cells_per_model(records)
+    # published records carry their task: the rule-position grid (same experiment) is another figure's cells
+    per_model = _cells_per_model([r for r in records if r.get("_task", "distance") == "distance"])
     if not per_model:
         return
     labels_all = sorted({lab for e in per_model.values() for lab in e["cells"]},
                         key=lambda lab: (lab.split(",")[0] not in MARKERS, list(MARKERS).index(lab.split(",")[0])
                                          if lab.split(",")[0] in MARKERS else 0, lab))
     colors = {lab: plt.get_cmap("tab10")(i % 10) for i, lab in enumerate(labels_all)}  # same line, same color
-    fig, axes = plt.subplots(len(per_model), 3, figsize=(11.5, 3.0 * len(per_model)), squeeze=False)
+    fig, axes = plt.subplots(len(per_model), 3, figsize=(6.5, 2.2 * len(per_model) + 1.2), squeeze=False)
     for row, (name, entry) in zip(axes, per_model.items()):
         for fmt, by_d in entry["cells"].items():
             cells = sorted(by_d.values(), key=lambda c: c["distance_tokens_mean"])
@@ -59,29 +62,31 @@ def fig_locality_distance(records: list[dict[str, Any]], path: Path) -> None:
                         row[2].vlines(x, s["ci_low"], s["ci_high"], color=colors[fmt], lw=0.8)
         gate = entry["gate"]
         row[0].axhline(gate, color="black", lw=0.6, ls=":")
-        row[0].set_ylabel(f"{name}\noracle flip, median (nats)", fontsize=8)
-        row[1].set_ylabel(f"included (flip >= {gate})", fontsize=8)
+        row[0].set_ylabel(f"{short_model(name)}\noracle flip, median (nats)", fontsize=7)
+        row[1].set_ylabel(f"included (flip >= {gate})", fontsize=7)
         row[1].set_ylim(-0.05, 1.05)
-        row[2].set_ylabel("field-only recovery", fontsize=8)
+        row[2].set_ylabel("field-only recovery", fontsize=7)
         row[2].axhline(0, color="black", lw=0.6)
         row[2].axhline(1, color="black", lw=0.4, ls=":")
         row[2].plot(*PAPER_POINT, marker="*", color="black", ms=9, ls="none", label="paper (Llama-3.1-8B)")
         for ax in row:
             ax.set_xscale("log")
             ax.set_xlim(30, 3000)  # the whole swept range on every panel
-            ax.set_xlabel("field-to-decision distance (tokens, measured)", fontsize=8)
+            ax.set_xlabel("distance (tokens)", fontsize=7)
             ax.tick_params(labelsize=7)
     axes[0][0].set_title("effect size", fontsize=9)
     axes[0][1].set_title("inclusion rate", fontsize=9)
-    axes[0][2].set_title("field-only recovery (included instances)", fontsize=9)
+    axes[0][2].set_title("field-only (included)", fontsize=9)
     handles, labels = axes[0][2].get_legend_handles_labels()
     for ax in axes[:, 0]:
         h, lab = ax.get_legend_handles_labels()
         handles += [x for x, y in zip(h, lab) if y not in labels]
         labels += [y for y in lab if y not in labels]
-    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=7, frameon=False)
-    fig.suptitle("Locality against distance and format (paper Fig. 3a, one point of this curve)", fontsize=10)
-    fig.tight_layout(rect=(0, 0.1, 1, 0.97))  # room for the shared legend (save() would drop it)
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=6, frameon=False)
+    fig.suptitle("Locality against distance and format (paper Fig. 3a, one point of this curve)", fontsize=9)
+    height = fig.get_size_inches()[1]
+    rows = (len(labels) + 3) // 4
+    fig.tight_layout(rect=(0, (0.15 + 0.12 * rows) / height, 1, 1 - 0.3 / height))  # room for legend and title
     fig.savefig(path, dpi=130)
     plt.close(fig)
 

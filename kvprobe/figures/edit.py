@@ -16,7 +16,7 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 
-from kvprobe.figures.common import bar_with_ci, latest_per_model, save
+from kvprobe.figures.common import bar_with_ci, latest_per_model, legend_below, model_color, save, short_model
 
 MODEL_COLORS = ("#3a78b5", "#e07b39", "#2e7d32", "#8e44ad", "#c0392b", "#7f8c8d", "#16a085")
 
@@ -27,12 +27,27 @@ def _which(summary: dict[str, Any]) -> str:
 
 def _tag(name: str, summary: dict[str, Any]) -> str:
     shown = "" if summary["n_included"] else ", all shown"
-    return f"{name} ({summary['n_included']}/{summary['n_instances']} gated{shown})"
+    return f"{short_model(name)} ({summary['n_included']}/{summary['n_instances']} incl.{shown})"
 
 
 def _panels(n: int, width: float = 4.2, height: float = 3.4):
-    fig, axes = plt.subplots(1, n, figsize=(width * n, height), squeeze=False)
-    return fig, axes[0]
+    """``n`` panels, at most two per row, on a 6.5-inch page width (empty cells hidden)."""
+    cols = min(n, 2)
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(6.5, 2.8 * rows + 0.4), squeeze=False)
+    for ax in axes.flat[n:]:
+        ax.axis("off")
+    return fig, list(axes.flat)[:n]
+
+
+# The paper's Table 6 (Qwen3-8B): method -> (recompute %, P(correct)).
+PAPER_FRONTIER = {"full_reprefill": (100, 1.00), "hoist_to_end": (5.2, 1.00), "field_erratum": (12.6, 1.00),
+                  "erratum": (12.0, 1.00), "cacheblend@15%": (14.5, 0.13), "in_place": (0.6, 0.00), "stale": (0, 0.00)}
+METHOD_COLORS = {"stale": "#9e9e9e", "in_place": "#e07b39", "erratum": "#d1495b", "field_erratum": "#8d6a9f",
+                 "hoist_to_end": "#2e8b57", "cacheblend@15%": "#8c564b", "full_downstream": "#1b6ca8",
+                 "full_reprefill": "#000000"}
+# Fig. 3d: P(safe) per wording (Qwen3-8B).
+PAPER_WORDING = {"bare_value": 1.0, "tagged_update": 1.0, "explicit_override": 1.0, "aggressive": 0.81}
 
 
 def fig16_edit_frontier(records: list[dict[str, Any]], path: Path) -> None:
@@ -46,41 +61,44 @@ def fig16_edit_frontier(records: list[dict[str, Any]], path: Path) -> None:
             ax.plot(*zip(*sorted(sel)), "-o", color="#999999", ms=3, lw=1, label="field+selective@K")
         points = [(m, b) for m, b in s["methods"].items()
                   if not m.startswith("selective@") and b["p_correct"][which]["n"]]
-        for i, (m, b) in enumerate(sorted(points, key=lambda mb: mb[1]["recompute_fraction"])):
+        for m, b in sorted(points, key=lambda mb: mb[1]["recompute_fraction"]):
             x, y = 100 * b["recompute_fraction"], b["p_correct"][which]["mean"]
-            ax.scatter([x], [y], marker="s" if b.get("needs_prompt_surgery") else "o", s=28, zorder=3)
-            ax.annotate(m.replace("_", " ") + (" (surgery)" if b.get("needs_prompt_surgery") else ""), (x, y),
-                        textcoords="offset points", xytext=(3, 4 + 8 * (i % 4)), fontsize=6,
-                        arrowprops={"arrowstyle": "-", "lw": 0.3, "color": "#666666"})
+            ax.scatter([x], [y], marker="s" if b.get("needs_prompt_surgery") else "o", s=30, zorder=3,
+                       color=METHOD_COLORS.get(m, "#555555"), label=m.replace("_", " "))
+        for m, (x, y) in PAPER_FRONTIER.items():
+            ax.scatter([x], [y], marker="x", s=22, color=METHOD_COLORS.get(m, "#555555"), lw=1, zorder=2)
         ax.set_xscale("symlog", linthresh=1)
         ax.set_xlim(-0.2, 130)
         ax.set_ylim(-0.05, 1.1)
-        ax.set_xlabel("recompute (% of context tokens)")
-        ax.set_ylabel("P(correct)")
+        ax.set_xlabel("recompute (% of context tokens)", fontsize=8)
+        ax.set_ylabel("P(correct)", fontsize=8)
+        ax.tick_params(labelsize=7)
         ax.set_title(_tag(name, s), fontsize=8)
-        ax.legend(fontsize=6, loc="center right", frameon=False)
+    axes[0].scatter([], [], marker="x", color="black", label="paper, Qwen3-8B (Tab. 6)")
+    axes[0].scatter([], [], marker="s", color="black", label="needs prompt surgery")
     fig.suptitle("Edit cost/correctness frontier (paper Fig. 16, Table 6)", fontsize=10)
+    legend_below(fig, axes[0], ncol=4)
     save(fig, path)
 
 
 def fig17_selective_k(records: list[dict[str, Any]], path: Path) -> None:
     per_model = latest_per_model(records)
-    fig, ax = plt.subplots(figsize=(5.2, 3.6))
+    fig, ax = plt.subplots(figsize=(6.5, 3.4))
     for i, (name, rec) in enumerate(per_model.items()):
         sweep = rec["summary"]["selective_k"]
         if not sweep:
             continue
-        color = MODEL_COLORS[i % len(MODEL_COLORS)]
+        color = model_color(name)
         ks = [s["k"] for s in sweep]
         ax.plot(ks, [s["p_correct"] for s in sweep], "-o", color=color, ms=3,
                 label=f"{_tag(name, rec['summary'])}, K*={rec['summary']['k_star']}")
         ax.plot(ks, [s["recovery"] for s in sweep], "--", color=color, lw=0.8)
     ax.set_xscale("log", base=2)
     ax.axhline(1, color="black", lw=0.4, ls=":")
-    ax.set_xlabel("K (downstream tokens recomputed with the field)")
-    ax.set_ylabel("P(correct) (solid), recovery (dashed)")
-    ax.set_title("field+selective@K (paper Fig. 17)", fontsize=10)
-    ax.legend(fontsize=6, frameon=False)
+    ax.set_xlabel("K (downstream tokens recomputed with the field)", fontsize=8)
+    ax.set_ylabel("P(correct) (solid), recovery (dashed)", fontsize=8)
+    ax.set_title("field+selective@K (paper Fig. 17: K* ~ 4 at 8B, > 64 at 4B)", fontsize=9)
+    legend_below(fig, ax, ncol=1)
     save(fig, path)
 
 
@@ -93,10 +111,10 @@ def _grouped_bars(ax, summary: dict[str, Any], groups: list[list[str]], labels: 
             stat = summary["methods"].get(key, {}).get("p_correct", {}).get(which, {})
             bar_with_ci(ax, i + (j - (len(series) - 1) / 2) * width, dict(stat), width,
                         MODEL_COLORS[j % len(MODEL_COLORS)], label=sname if i == 0 else None)
-    ax.set_xticks(range(len(labels)), [lab.replace("_", " ") for lab in labels], fontsize=7, rotation=15)
+    ax.set_xticks(range(len(labels)), [lab.replace("_", " ") for lab in labels], fontsize=6, rotation=20)
     ax.set_ylim(0, 1.1)
-    ax.set_ylabel("P(correct)")
-    ax.legend(fontsize=6, frameon=False)
+    ax.set_ylabel("P(correct)", fontsize=8)
+    ax.tick_params(axis="y", labelsize=7)
 
 
 def fig3d_edit_wording(records: list[dict[str, Any]], path: Path) -> None:
@@ -106,8 +124,13 @@ def fig3d_edit_wording(records: list[dict[str, Any]], path: Path) -> None:
         s = rec["summary"]
         wordings = list(s["wordings"])
         _grouped_bars(ax, s, [[f"{arm}/{w}" for w in wordings] for arm in s["arms"]], wordings, s["arms"])
+        for i, w in enumerate(wordings):
+            if w in PAPER_WORDING:
+                ax.plot([i - 0.4, i + 0.4], [PAPER_WORDING[w]] * 2, color="black", lw=1.2, ls="--")
         ax.set_title(_tag(name, s), fontsize=8)
+    axes[0].plot([], [], color="black", ls="--", label="paper P(safe), Qwen3-8B")
     fig.suptitle("Erratum wording (paper Fig. 3d)", fontsize=10)
+    legend_below(fig, axes[0], ncol=3)
     save(fig, path)
 
 
@@ -120,8 +143,13 @@ def fig2c_edit_cot(records: list[dict[str, Any]], path: Path) -> None:
         cot = s["modes"]["cot"]
         _grouped_bars(ax, s, [[f"{mode}/{m}" for m in methods] for mode in ("direct", "cot")], methods,
                       ["direct", f"chain ({cot['chain_tokens']} tok, greedy)"])
+        if "in_place" in methods:  # the paper's in-place result: 0.00 direct, 1.00 with a chain (Qwen3-8B)
+            i = methods.index("in_place")
+            ax.plot([i - 0.4, i], [0.0, 0.0], [i, i + 0.4], [1.0, 1.0], color="black", lw=1.2, ls="--")
         ax.set_title(_tag(name, s), fontsize=8)
+    axes[0].plot([], [], color="black", ls="--", label="paper in_place (Qwen3-8B): 0.00 direct, 1.00 with a chain")
     fig.suptitle("Chain-of-thought gates the in-place edit (paper Fig. 2c)", fontsize=10)
+    legend_below(fig, axes[0], ncol=3)
     save(fig, path)
 
 
@@ -130,27 +158,30 @@ def fig23_long_horizon(records: list[dict[str, Any]], path: Path) -> None:
     for rec in records:  # newest record per (model, scheme): the erratum scheme is a control, drawn alongside
         per_run[f"{rec['model']['name']} [{rec['summary']['scheme']}]"] = rec
     fig, (a, b) = _panels(2, width=4.6)
+    a.axhspan(0.79, 0.99, color="grey", alpha=0.2, lw=0, label="paper agreement 0.79-0.99")
+    b.axhspan(0.987, 0.999, color="grey", alpha=0.2, lw=0, label="paper cosine 0.987-0.999")
     low = 1.0
     for i, (name, rec) in enumerate(per_run.items()):
-        s, color = rec["summary"], MODEL_COLORS[i % len(MODEL_COLORS)]
+        s, color = rec["summary"], model_color(rec["model"]["name"])
         turns = [t["turn"] for t in s["per_turn"]]
         cos = [t["cosine"] for t in s["per_turn"]]
         low = min(low, *cos)
         slope = s["agreement_slope_per_turn"]["slope"]
         a.plot(turns, [t["agreement"] for t in s["per_turn"]], "-o", ms=2.5, color=color,
                label=f"{_tag(name, s)}, slope {slope:+.3f}/turn")
-        b.plot(turns, cos, "-o", ms=2.5, color=color, label=f"{name}: {s['cosine_first_third']:.3f} -> "
-                                                            f"{s['cosine_last_third']:.3f}")
+        b.plot(turns, cos, "-o", ms=2.5, color=color, label=f"{short_model(name)}: cosine "
+                                                            f"{s['cosine_first_third']:.3f} -> {s['cosine_last_third']:.3f}")
     a.set_ylim(-0.05, 1.05)
-    a.set_xlabel("turn")
-    a.set_ylabel("decision agreement with full reprefill")
+    a.set_xlabel("turn", fontsize=8)
+    a.set_ylabel("agreement with full reprefill", fontsize=8)
     b.set_ylim(min(0.95, low - 0.005), 1.002)
     b.ticklabel_format(axis="y", useOffset=False)
-    b.set_xlabel("turn")
-    b.set_ylabel("decision-logit cosine")
+    b.set_xlabel("turn", fontsize=8)
+    b.set_ylabel("decision-logit cosine", fontsize=8)
     for ax in (a, b):
-        ax.legend(fontsize=6, frameon=False)
+        ax.tick_params(labelsize=7)
     fig.suptitle("No compounding error over a long trajectory (paper Fig. 23)", fontsize=10)
+    legend_below(fig, a, ncol=2, extra=[b])
     save(fig, path)
 
 

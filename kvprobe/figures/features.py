@@ -12,7 +12,7 @@ from typing import Any
 import matplotlib.pyplot as plt
 import numpy as np
 
-from kvprobe.figures.common import latest_per_model, save, task_template
+from kvprobe.figures.common import latest_per_model, save, short_model, task_template
 
 
 def _mean(stat: dict[str, Any] | None) -> float:
@@ -45,7 +45,7 @@ def fig15b_directions(records: list[dict[str, Any]], path: Path) -> None:
     One row per model and task: the record covering the most sites (the newest among equals), so a narrower
     follow-up run (e.g. boundless DAS at one site) does not replace the main one."""
     per_model = widest_per_model_and_task(records)
-    fig, axes = plt.subplots(len(per_model), 3, figsize=(15, 3.6 * len(per_model)), squeeze=False)
+    fig, axes = plt.subplots(len(per_model), 3, figsize=(6.5, 2.7 * len(per_model) + 0.4), squeeze=False)
     kinds = [("full", "full site", "tab:gray"), ("sub:das", "DAS", "tab:purple"), ("dir:dom", "diff. of means", "tab:blue"),
              ("dir:random", "random 1-D", "tab:orange")]
     for row, (name, rec) in zip(axes, per_model.items()):
@@ -59,10 +59,12 @@ def fig15b_directions(records: list[dict[str, Any]], path: Path) -> None:
             a.bar(xs, [_mean(st) for st in stats], 0.2, yerr=errs, color=color, label=label, capsize=2)
         a.set_xticks(range(len(sites)), [x["site"] for x in sites], rotation=45, fontsize=6)
         over = sites[0]["effects"].get("recovery_over", "included") if sites else "included"
-        a.set_title(f"{name}: held-out recovery ({over} pairs)", fontsize=8)
+        a.set_title(f"{short_model(name)}: held-out ({over})", fontsize=7)
         a.axhline(0, color="black", lw=0.5)
         a.axhline(1, color="black", lw=0.4, ls=":")
-        a.legend(fontsize=6)
+        a.axhspan(0.22, 0.23, color="black", alpha=0.3, lw=0)
+        a.annotate("paper dom 0.22-0.23", (1.0, 0.235), xycoords=("axes fraction", "data"), ha="right", fontsize=5)
+        a.legend(fontsize=5)
         b = row[1]
         scored = [x for x in sites if np.isfinite(_mean(x["effects"]["dir:dom"]["recovery"]))]
         if scored:
@@ -74,18 +76,18 @@ def fig15b_directions(records: list[dict[str, Any]], path: Path) -> None:
                            yerr=np.array([_err(v["recovery"]) for v in curve.values()]).T, marker="o", color=color,
                            label=f"{'diff. of means' if key == 'dom' else 'random'} (IIA " +
                                  "/".join(f"{_mean(v['iia']):.2f}" for v in curve.values()) + ")", capsize=2)
-            b.set_title(f"steering at {best['site']} (alpha x training gap {best['gap']:.2f})", fontsize=8)
-            b.set_xlabel("alpha")
-            b.set_ylabel("recovery toward the other decision")
+            b.set_title(f"steering at {best['site']} (x gap {best['gap']:.2f})", fontsize=7)
+            b.set_xlabel("steering alpha", fontsize=7)
+            b.set_ylabel("recovery to other decision", fontsize=7)
             b.axhline(0, color="black", lw=0.5)
-            b.legend(fontsize=6)
+            b.legend(fontsize=4.5, loc="lower right", frameon=False)
         c = row[2]
         acc = s.get("layer_decodability") or []
         c.plot(range(len(acc)), acc, marker=".")
         c.axhline(0.5, color="black", lw=0.4, ls=":")
         c.set_ylim(0, 1.05)
-        c.set_xlabel("layer")
-        c.set_title("held-out accuracy of the residual diff.-of-means projection", fontsize=8)
+        c.set_xlabel("layer", fontsize=7)
+        c.set_title("held-out acc., dom projection", fontsize=7)
     fig.suptitle("A conclusion direction at the notes (paper Fig. 15b)", fontsize=10)
     save(fig, path)
 
@@ -94,7 +96,7 @@ def fig15e_sae(records: list[dict[str, Any]], path: Path) -> None:
     """Per model: clamping dose curves (top-k conclusion features vs k random live features) and the
     training-family vs held-out-family AUC of the top features, per SAE site."""
     per_model = latest_per_model(records)
-    fig, axes = plt.subplots(len(per_model), 2, figsize=(11, 3.6 * len(per_model)), squeeze=False)
+    fig, axes = plt.subplots(len(per_model), 2, figsize=(6.5, 2.7 * len(per_model) + 0.4), squeeze=False)
     for row, (name, rec) in zip(axes, per_model.items()):
         s = rec["summary"]
         a, b = row
@@ -114,17 +116,18 @@ def fig15e_sae(records: list[dict[str, Any]], path: Path) -> None:
             b.bar(xs - 0.1, [t["auc_train"] for t in top], 0.2, label=f"{site}: train families")
             b.bar(xs + 0.1, [np.nan if t["auc_held_out"] is None else t["auc_held_out"] for t in top], 0.2,
                   label=f"{site}: held-out families")
-        a.set_xlabel("features clamped to the other conclusion's mean at the notes")
-        a.set_ylabel("recovery toward the other decision")
-        a.set_title(f"{name}: clamping (held-out pairs)", fontsize=8)
+        a.set_xlabel("top-k features clamped at the notes", fontsize=7)
+        a.set_ylabel("recovery to other decision", fontsize=7)
+        a.set_title(f"{short_model(name)}: clamping (held-out pairs)", fontsize=7)
+        a.plot(range(4), [0.0, 0.30, 0.50, 0.54], "k*--", ms=5, lw=0.8, label="paper, k=1/3/10/30 (Llama-3.1-8B)")
         a.axhline(0, color="black", lw=0.5)
-        a.legend(fontsize=6)
+        a.legend(fontsize=5)
         b.axhline(0.5, color="black", lw=0.4, ls=":")
         b.set_ylim(0, 1.05)
-        b.set_xlabel("top conclusion features (ranked on training families)")
-        b.set_ylabel("ROC AUC (block vs allow, max over notes)")
-        b.set_title(f"{name}: layer {s['layer']} SAE features", fontsize=8)
-        b.legend(fontsize=6)
+        b.set_xlabel("feature rank (on training families)", fontsize=7)
+        b.set_ylabel("ROC AUC, block vs allow", fontsize=7)
+        b.set_title(f"{short_model(name)}: layer {s['layer']} SAE features", fontsize=7)
+        b.legend(fontsize=5)
     fig.suptitle("SAE features of the conclusion (paper Fig. 15e)", fontsize=10)
     save(fig, path)
 

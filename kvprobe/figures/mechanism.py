@@ -12,14 +12,16 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 
-from kvprobe.figures.common import bar_with_ci, latest_per_model, save
+from kvprobe.figures.common import (bar_with_ci, latest_per_model, legend_below, model_color, paper_band, save,
+                                   short_model)
 from kvprobe.probes.summary import which
 from kvprobe.runner.records import task_stem
 
 
 def tag(name: str, summary: dict[str, Any]) -> str:
-    return f"{name} ({summary['n_included']}/{summary['n_instances']} gated)" if summary.get("n_included") \
-        else f"{name} (all {summary['n_instances']}; none gated)"
+    name = short_model(name)
+    return f"{name} ({summary['n_included']}/{summary['n_instances']} incl.)" if summary.get("n_included") \
+        else f"{name} (all {summary['n_instances']}; none incl.)"
 
 
 def plot_curve(ax, block: dict[str, Any], w: str, label: str, x: Callable[[int, str], float] | None = None,
@@ -45,13 +47,15 @@ def grouped_bars(ax, per_model: dict[str, dict[str, Any]], keys: list[str], colo
         for j, key in enumerate(keys):
             bar_with_ci(ax, m + (j - (len(keys) - 1) / 2) * width, get(rec["summary"], key), width, colors[j % len(colors)],
                         label=key.replace("_", " ") if m == 0 else None)
-    ax.set_xticks(range(len(per_model)), [tag(n, r["summary"]) for n, r in per_model.items()], fontsize=7)
+    ax.set_xticks(range(len(per_model)), [tag(n, r["summary"]).replace(" (", "\n(") for n, r in per_model.items()],
+                  fontsize=7)
     ax.axhline(0, color="black", lw=0.6)
     ax.axhline(1, color="black", lw=0.4, ls=":")
 
 
 def dose_axes(title: str, n: int = 1, width: float = 4.5):
-    fig, axes = plt.subplots(1, n, figsize=(width * n, 3.6), squeeze=False)
+    """``n`` panels in one row of a 6.5-inch page width (``width`` is kept for callers; the page sets it)."""
+    fig, axes = plt.subplots(1, n, figsize=(6.5, 3.4 if n < 3 else 3.0), squeeze=False)
     fig.suptitle(title, fontsize=10)
     return fig, list(axes[0])
 
@@ -60,15 +64,19 @@ def fig_knockout(records: list[dict[str, Any]], path: Path) -> None:
     fig, (a, b) = dose_axes("Knockout and dose-response (paper Sec. 3 probe 4)", 2)
     for name, rec in latest_per_model(records).items():
         s, w = rec["summary"], which(rec["summary"])
-        keys = plot_curve(a, s["knockout_top"], w, f"{tag(name, s)} top-K")
-        plot_curve(a, s["knockout_random"], w, f"{name} random-K", x=lambda i, k: keys.index(k), ls="--", marker="x")
+        c = model_color(name)
+        keys = plot_curve(a, s["knockout_top"], w, f"{tag(name, s)} top-K", color=c)
+        plot_curve(a, s["knockout_random"], w, f"{short_model(name)} random-K", x=lambda i, k: keys.index(k), ls="--",
+                   marker="x", color=c)
         a.set_xticks(range(len(keys)), keys, fontsize=7)
-        bands = plot_curve(b, s["knockout_band"], w, name, marker="s")
+        bands = plot_curve(b, s["knockout_band"], w, short_model(name), marker="s", color=c)
         b.set_xticks(range(len(bands)), bands, fontsize=7)
-    a.set_xlabel(f"downstream positions ablated in the oracle cache ({s['ablation']})")
-    a.set_ylabel("return toward stale (1 - recovery)")
-    b.set_xlabel("position band ablated whole (early -> late)")
-    a.legend(fontsize=6)
+    a.set_xlabel(f"top-K positions ablated ({s['ablation']})", fontsize=8)
+    a.set_ylabel("return toward stale (1 - recovery)", fontsize=8)
+    b.set_xlabel("position band ablated (early -> late)", fontsize=8)
+    a.axhline(1, color="black", lw=0.8, ls="--")
+    a.annotate("paper: returns to stale", (0, 1.0), fontsize=6, va="bottom")
+    legend_below(fig, a)
     save(fig, path)
 
 
@@ -76,26 +84,30 @@ def fig_writability(records: list[dict[str, Any]], path: Path) -> None:
     fig, (a, b) = dose_axes("Writability: the decision follows an injected note (paper App. C iv)", 2)
     for name, rec in latest_per_model(records).items():
         s, w = rec["summary"], which(rec["summary"])
-        keys = plot_curve(a, s["inject"], w, tag(name, s))
+        keys = plot_curve(a, s["inject"], w, tag(name, s), color=model_color(name))
         a.set_xticks(range(len(keys)), keys, fontsize=7)
-        keys = plot_curve(b, s["follows"], w, name, marker="s")
+        keys = plot_curve(b, s["follows"], w, short_model(name), marker="s", color=model_color(name))
         b.set_xticks(range(len(keys)), keys, fontsize=7)
-    a.set_xlabel("top-K note positions injected (field left stale)")
-    a.set_ylabel("recovery toward the note")
-    b.set_xlabel("top-K note positions injected")
-    b.set_ylabel("follow rate")
-    a.legend(fontsize=6)
+    a.set_xlabel("top-K notes injected (field left stale)", fontsize=8)
+    a.set_ylabel("recovery toward the note", fontsize=8)
+    b.set_xlabel("top-K notes injected", fontsize=8)
+    b.set_ylabel("follow rate", fontsize=8)
+    paper_band(a, 0.98, 1.02, "paper, all notes: 0.98-1.02")
+    paper_band(b, 1.0, 1.0, "paper: 1.0")
+    legend_below(fig, a)
     save(fig, path)
 
 
 def table4_dissociation(records: list[dict[str, Any]], path: Path) -> None:
     per_model = latest_per_model(records)
-    fig, ax = plt.subplots(figsize=(3.0 + 1.8 * len(per_model), 3.6))
+    fig, ax = plt.subplots(figsize=(6.5, 3.2))
     grouped_bars(ax, per_model, ["trigger_only", "notes", "trigger_and_notes"], ["#e07b39", "#3a78b5", "#2e7d32"],
                  lambda s, k: s["recovery"][k][which(s)])
-    ax.set_ylabel("recovery toward the flipped conclusion")
+    ax.set_ylabel("recovery toward the flipped conclusion", fontsize=8)
     ax.set_title("Dissociation, field held identical (paper Table 4 left)", fontsize=10)
-    ax.legend(fontsize=7)
+    paper_band(ax, -0.007, 0.007, "paper trigger-only -0.007..0.007", color="#e07b39")
+    paper_band(ax, 0.998, 1.009, "paper notes 0.998-1.009", color="#3a78b5")
+    legend_below(fig, ax, ncol=3)
     save(fig, path)
 
 
@@ -109,19 +121,21 @@ def fig_probes(records: list[dict[str, Any]], path: Path) -> None:
             for label, res in s["probes"].get(pos, {}).items():
                 pts = [((i + 1) / s["n_layers"], acc) for i, acc in enumerate(res["acc"]) if acc is not None]
                 if pts:
-                    ax.plot(*zip(*pts), marker=".", label=f"{name}: {label}")
+                    ax.plot(*zip(*pts), marker=".", ms=3, label=f"{short_model(name)}: {label}")
         ax.axhline(0.5, color="black", lw=0.4, ls=":")
-        ax.set_title(pos, fontsize=9)
-        ax.set_xlabel("relative depth")
+        ax.set_title(pos, fontsize=8)
+        ax.set_xlabel("relative depth", fontsize=8)
         ax.set_ylim(0, 1.05)
-    axes[0].set_ylabel("held-out accuracy")
-    axes[0].legend(fontsize=6)
+        ax.tick_params(labelsize=7)
+    axes[0].set_ylabel("held-out accuracy (chance 0.5)", fontsize=8)
+    legend_below(fig, axes[0], ncol=2)
     save(fig, path)
 
 
 def fig_timing(records: list[dict[str, Any]], path: Path) -> None:
     per_model = latest_per_model(records)
-    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    fig, ax = plt.subplots(figsize=(6.5, 3.4))
+    ax.axvspan(0.73, 0.77, color="grey", alpha=0.3, label="paper commit depth 0.73-0.77 (Qwen3, Llama)")
     for m, (name, rec) in enumerate(per_model.items()):
         s = rec["summary"]
         pts = [((i + 1) / s["n_layers"], a) for i, a in enumerate(s["write_probe"]["acc"]) if a is not None]
@@ -133,14 +147,14 @@ def fig_timing(records: list[dict[str, Any]], path: Path) -> None:
         if c["mean"] is not None:
             if c.get("ci_low") is not None:
                 ax.axvspan(c["ci_low"], c["ci_high"], color=line.get_color(), alpha=0.15)
-            ax.axvline(c["mean"], color=line.get_color(), lw=1.5, label=f"{name}: decision commit")
+            ax.axvline(c["mean"], color=line.get_color(), lw=1.5, label=f"{short_model(name)}: decision commit")
     ax.axhline(s["decodable_at"], color="black", lw=0.4, ls=":")
     ax.set_xlim(0, 1.02)
     ax.set_ylim(0, 1.05)
-    ax.set_xlabel("relative depth (layer + 1) / n_layers")
-    ax.set_ylabel("held-out accuracy")
-    ax.set_title("Write before read (paper App. C ii): dashed = write depth", fontsize=9)
-    ax.legend(fontsize=6)
+    ax.set_xlabel("relative depth (layer + 1) / n_layers", fontsize=8)
+    ax.set_ylabel("held-out accuracy of the conclusion probe", fontsize=8)
+    ax.set_title("Write before commit (paper App. C ii): dashed = write depth", fontsize=9)
+    legend_below(fig, ax)
     save(fig, path)
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 
-from kvprobe.figures.common import latest_per_model, save
+from kvprobe.figures.common import latest_per_model, legend_below, paper_band, save
 from kvprobe.figures.mechanism import grouped_bars
 from kvprobe.probes.summary import which
 
@@ -16,10 +16,12 @@ def table4_specificity(records: list[dict[str, Any]], path: Path) -> None:
     per_model = latest_per_model(records)
     ks = next(iter(per_model.values()))["summary"]["ks"]
     keys = [f"{kind}{k}" for k in ks for kind in ("top", "rand")]
-    fig, ax = plt.subplots(figsize=(3.0 + 2.0 * len(per_model), 3.6))
+    fig, ax = plt.subplots(figsize=(6.5, 3.2))
     grouped_bars(ax, per_model, keys, ["#3a78b5", "#bdbdbd", "#1f4e79", "#8d8d8d"],
                  lambda s, k: s["recovery"][k][which(s)])
-    ax.set_ylabel("decision recovery")
+    ax.set_ylabel("decision recovery", fontsize=8)
     ax.set_title("Specificity: top-k vs random-k (paper Table 4 right)", fontsize=10)
-    ax.legend(fontsize=7, ncol=len(keys))
+    paper_band(ax, 0.74, 0.79, "paper top-8 0.74-0.79", color="#3a78b5")
+    paper_band(ax, 0.0, 0.035, "paper rand-8 <= 0.035", color="#8d8d8d")
+    legend_below(fig, ax, ncol=len(keys))
     save(fig, path)

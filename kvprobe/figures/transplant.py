@@ -7,7 +7,7 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 
-from kvprobe.figures.common import bar_with_ci, latest_per_model, save
+from kvprobe.figures.common import bar_with_ci, latest_per_model, legend_below, save, short_model
 
 
 def fig6b_transplant(records: list[dict[str, Any]], path: Path) -> None:
@@ -19,7 +19,7 @@ def fig6b_transplant(records: list[dict[str, Any]], path: Path) -> None:
     lows = [st["mean"] if st.get("ci_low") is None else st["ci_low"] for rec in per_model.values()
             for st in (v.get("cosine", {}) for v in rec["summary"]["variants"].values())
             if st.get("mean") is not None]
-    fig, axes = plt.subplots(1, 2, figsize=(4 + 2.2 * len(names), 3.6))
+    fig, axes = plt.subplots(1, 2, figsize=(6.5, 3.4))
     width = 0.8 / len(variants)
     cmap = plt.get_cmap("tab20")
     for ax, metric, label in ((axes[0], "cosine", "logit cosine vs full recompute"),
@@ -29,11 +29,18 @@ def fig6b_transplant(records: list[dict[str, Any]], path: Path) -> None:
                 stat = per_model[name]["summary"]["variants"].get(variant, {}).get(metric, {})
                 bar_with_ci(ax, m + (v - (len(variants) - 1) / 2) * width, stat, width, cmap(v),
                             label=variant if m == 0 else None)
-        ax.set_xticks(range(len(names)), names, fontsize=7)
-        ax.set_ylabel(label)
+        ax.set_xticks(range(len(names)), [short_model(n).replace(" org.", "\norg.") for n in names], fontsize=6)
+        ax.set_ylabel(label, fontsize=8)
+        ax.tick_params(axis="y", labelsize=7)
     # low enough that a collapsed control (cosine ~0.8) is visible, not clipped
     axes[0].set_ylim(min(0.9, (min(lows) if lows else 0.9) - 0.02), 1.0005)
     axes[1].set_ylim(0, 1.05)
-    axes[1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    axes[0].axhspan(0.90, 0.999, color="grey", alpha=0.15, lw=0)
+    axes[0].annotate("paper 0.90-0.999", (1.0, 0.999), xycoords=("axes fraction", "data"), ha="right", va="bottom",
+                     fontsize=6)
+    axes[1].axhline(1.0, color="black", lw=0.9, ls="--")
+    axes[1].annotate("paper: decision-identical", (1.0, 1.0), xycoords=("axes fraction", "data"), ha="right",
+                     va="bottom", fontsize=6)
     fig.suptitle("Transplanted skill vs full recompute (paper Fig. 6b)", fontsize=10)
+    legend_below(fig, axes[1], ncol=4)
     save(fig, path)

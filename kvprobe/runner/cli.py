@@ -57,7 +57,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         path, record = run_experiment(cfg, overwrite=args.overwrite, fresh=args.fresh, progress=not args.quiet,
                                       config_source=args.config, offline=True if args.offline else None,
                                       tol_nats=args.tol_nats, random_init=args.random_init,
-                                      allow_dirty=args.allow_dirty)
+                                      allow_dirty=args.allow_dirty, publish=args.publish)
     exp = get_experiment(cfg.experiment)
     random_note = ("RANDOM-INIT MODEL: seeded random weights (a config-only directory), not a trained model; "
                    "these numbers test the pipeline, not the paper") if record["model"].get("random_init") else ""
@@ -65,6 +65,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(random_note)
     if exp.table is not None:
         print(exp.table(record["summary"]))
+    from kvprobe.runner.report import interpretation
+
+    sentence = interpretation(record)
+    if sentence:
+        print(sentence)
     if random_note:
         print(random_note)
     print(f"record: {path}")
@@ -73,6 +78,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
         print(reproduction_table(record["reproduction"]))
         print("(this config's record is committed, so this run went to runs/; --overwrite replaces the committed one)")
+    elif path.parts[:1] == ("runs",):
+        print("(scratch: the study (study.yaml) does not publish this config, so its record went to runs/, "
+              "where no report, claim or figure reads it; --publish writes it to results/)")
     return 0
 
 
@@ -128,12 +136,16 @@ def _cmd_report(args: argparse.Namespace) -> int:
     if not rows:
         raise KVProbeError(f"no records under {args.results}/ (run an experiment first: make exp-locality)")
     if args.check:
-        stale = stale_documents(args.check, args.results)
+        from kvprobe.runner.pages import stale_pages
+
+        stale = [*stale_documents(args.check, args.results), *stale_pages(args.results, args.pages)]
         for p in stale:
             print(f"{p}: its generated blocks differ from the records (run `make report`)")
         return 1 if stale else 0
     if args.write:
-        changed = write_documents(args.write, args.results)
+        from kvprobe.runner.pages import write_pages
+
+        changed = [*write_documents(args.write, args.results), *write_pages(args.results, args.pages)]
         print("regenerated: " + (", ".join(map(str, changed)) if changed else "nothing changed"))
         return 0
     print(markdown_table(rows))
@@ -154,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (dotted), repeatable")
     run.add_argument("--output-dir", help="where records go (default: results)")
     run.add_argument("--overwrite", action="store_true", help="replace a finished record of the same config")
+    run.add_argument("--publish", action="store_true",
+                     help="write the record to results/ even if the study (study.yaml) does not publish it")
     run.add_argument("--fresh", action="store_true", help="discard a partial run instead of resuming it")
     run.add_argument("--quiet", action="store_true",
                      help="no progress bars (kvprobe's or the libraries') and no library warnings")
@@ -181,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="regenerate the <!-- kvprobe:NAME --> blocks of these markdown files in place")
     report.add_argument("--check", nargs="+", metavar="FILE",
                         help="exit 1 if these files' generated blocks differ from the records")
+    report.add_argument("--pages", default="docs/results",
+                        help="with --write / --check: the folder of generated per-experiment and archive pages")
     report.add_argument("--compare", nargs=2, metavar=("MODEL_A", "MODEL_B"),
                         help="two models side by side on every (experiment, task) both have records for")
     report.set_defaults(func=_cmd_report)

@@ -133,17 +133,27 @@ def verification_dir(output_dir: str | Path) -> Path:
     return Path(output_dir).parent / "runs"
 
 
+def _study_publishes(model: str, chash: str) -> bool:
+    from kvprobe.study import is_published
+
+    return is_published(model, chash)
+
+
 # -- the run's safety rails (package): clean tree to publish, one run per config, Ctrl-C keeps what is done ----
 
 def run_experiment(cfg: RunConfig, overwrite: bool = False, fresh: bool = False, lm: ModelLike | None = None,
                    progress: bool = True, config_source: str = "<config>", offline: bool | None = None,
-                   tol_nats: float | None = None, random_init: bool = False, allow_dirty: bool = False
-                   ) -> tuple[Path, dict[str, Any]]:
+                   tol_nats: float | None = None, random_init: bool = False, allow_dirty: bool = False,
+                   publish: bool = False) -> tuple[Path, dict[str, Any]]:
     """Run ``cfg`` end to end and return (record path, record).
 
     If ``results/`` already holds the record of this exact config and ``overwrite`` is not given, the run is
     a reproduction: it is written under ``runs/`` (untracked) and the returned record carries a
     ``reproduction`` block comparing it with the committed one (:mod:`kvprobe.runner.reproduce`).
+
+    Otherwise the record goes to ``results/`` only if the study publishes this config
+    (:func:`kvprobe.study.is_published`) or ``publish`` is given; any other run (a smoke run, a ``--set``
+    override) is scratch and goes to ``runs/``. An ``output_dir`` set explicitly is always honoured.
 
     A record published into the checkout (``results/``) needs a clean working tree unless ``allow_dirty``; a lock
     beside the record refuses a second identical run while one is going; an interruption (Ctrl-C) raises
@@ -156,7 +166,7 @@ def run_experiment(cfg: RunConfig, overwrite: bool = False, fresh: bool = False,
     with contextlib.ExitStack() as stack:
         try:
             return _run_experiment(cfg, overwrite, fresh, lm, progress, config_source, offline, tol_nats,
-                                   random_init, allow_dirty, stack, run)
+                                   random_init, allow_dirty, publish, stack, run)
         except KeyboardInterrupt:
             writer, n = run.get("writer"), run.get("n_instances")
             if writer is None or n is None:
@@ -165,9 +175,9 @@ def run_experiment(cfg: RunConfig, overwrite: bool = False, fresh: bool = False,
                               "command to resume") from None
 
 
-def _run_experiment(cfg: RunConfig, overwrite: bool, fresh: bool, lm: Any, progress: bool, config_source: str,
+def _run_experiment(cfg: RunConfig, overwrite: bool, fresh: bool, lm: ModelLike | None, progress: bool, config_source: str,
                     offline: bool | None, tol_nats: float | None, random_init: bool, allow_dirty: bool,
-                    stack: Any, run: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
+                    publish: bool, stack: Any, run: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
     import torch
 
     from kvprobe.runner.reproduce import DEFAULT_TOL_NATS, compare_records
@@ -188,13 +198,17 @@ def _run_experiment(cfg: RunConfig, overwrite: bool, fresh: bool, lm: Any, progr
         if path.exists():
             log.warning("replacing the earlier reproduction run %s (an untracked copy; the committed record "
                         "%s is left as it is)", path, reference)
+    scratch = reference is None and not publish and "output_dir" not in cfg.model_fields_set \
+        and not _study_publishes(cfg.model, chash)
+    if scratch:  # never beside the published records: a later `make report` would read it
+        path = record_path(verification_dir(cfg.output_dir), exp.name, cfg.model, chash)
     if lm is None:
         from kvprobe.models.registry import resolve
 
         resolve(cfg.model)  # package: an unknown model is reported before the tree and lock checks
     check_clean_tree(path, allow_dirty)  # package: publish only from a clean tree
     stack.enter_context(RecordLock(path))  # package: a second identical run is refused while this one goes
-    writer = RecordWriter(path, overwrite=overwrite or reference is not None, fresh=fresh)
+    writer = RecordWriter(path, overwrite=overwrite or reference is not None or scratch, fresh=fresh)
     run["writer"] = writer
     t0 = time.perf_counter()
     if lm is None:

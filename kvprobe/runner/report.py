@@ -33,6 +33,47 @@ def latest_records(results_dir: str | Path) -> list[dict[str, Any]]:
     return [newest[k] for k in sorted(newest)]
 
 
+def _organism_for(model: str) -> str | None:
+    """The study's organism of ``model``'s family (the one that gates where its base model does not)."""
+    from kvprobe.study import load_study
+
+    models = load_study().models
+    family = models[model].family if model in models else next(
+        (e.family for name, e in models.items() if model.startswith(name)), None)
+    return next((name for name, e in models.items() if e.kind == "organism" and e.family == family),
+                next((name for name, e in models.items() if e.kind == "organism"), None))
+
+
+def interpretation(record: dict[str, Any]) -> str | None:
+    """One plain sentence on what a run's numbers mean beside the paper's, for the terminal after its table."""
+    summary, model, exp_name = record["summary"], record["model"]["name"], record["experiment"]
+    if summary.get("n_included", 1) == 0:
+        organism = _organism_for(model)
+        show = f" To see the effect on an embedded model: make exp-{exp_name} MODEL={organism}" if organism else ""
+        return (f"No instance passed the inclusion rule: {model} does not gate its decision on the field in this "
+                f"task (the oracle moves it by less than {summary.get('gate', {}).get('min_flip', 0.5)} nats), so "
+                f"the recoveries above measure nothing the paper measures.{show}")
+    if exp_name != "locality":
+        return None
+    rec = summary.get("recovery", {})
+    fo, fd = rec.get("field_only", {}).get("gated", {}), rec.get("full_downstream", {}).get("gated", {})
+    if fo.get("mean") is None or fd.get("mean") is None:
+        return None
+    paper = get_experiment(exp_name).paper.get(template_stem(record), "field-only -0.028, full-downstream 1.0 "
+                                                                      "(Llama-3.1-8B)")
+    if abs(fo["mean"]) < 0.2:
+        reading = "so, as in the paper, the conclusion is held in the note tokens after the field, not in the field"
+    elif fo["mean"] > 0.5:
+        reading = ("so, unlike the paper's template result, the field's own entries carry most of it (RESULTS.md: "
+                   "e.g. where the rule comes before the field)")
+    else:
+        reading = "so the field's own entries carry part of it"
+    return (f"On the {summary['n_included']} of {summary['n_instances']} instances where the field decides the "
+            f"answer, refreshing only the field's cache entries recovers {fo['mean']:.2f} of the effect of "
+            f"re-reading the prompt and refreshing everything from the field on recovers {fd['mean']:.2f} "
+            f"(paper: {paper}), {reading}.")
+
+
 def gate_cells(summary: dict[str, Any]) -> tuple[str, str]:
     if "n_included" not in summary:  # e.g. transplant: no field change, no gate
         return f"- / {summary.get('n_instances', '?')}", "-"
@@ -98,13 +139,71 @@ _BLOCK = re.compile(r"(<!-- kvprobe:(?P<name>[a-z_]+)(?P<args>(?: [^\s>]+)*) -->
                     r"(<!-- /kvprobe:(?P=name) -->)", re.S)
 
 
-def headline_table(results_dir: str | Path = "results", experiment: str = "locality", task: str = "gated") -> str:
-    """The README's short table: one experiment's headline on every model (default: locality, Fig. 3a)."""
-    rows = [r for r in report_rows(results_dir, [experiment]) if r[1] == task]
-    cols = ("model", "included / all", "oracle flip median (nats)", "headline (mean [95% CI])")
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(c.replace("|", "/") for c in (r[2], r[3], r[4], r[5])) + " |" for r in rows]
-    return "\n".join(lines)
+_PUBLISHED: dict[tuple[str, tuple[tuple[str, float], ...]], list[dict[str, Any]]] = {}
+
+
+def published(results_dir: str | Path = "results") -> list[dict[str, Any]]:
+    """The records the study publishes (:mod:`kvprobe.study`), each tagged with its task name ``_task``.
+
+    Cached on the record files' names and modification times: one report reads them once, not per block."""
+    from kvprobe.study import published_records
+
+    files = tuple((str(p), p.stat().st_mtime) for p in sorted(Path(results_dir).glob("*/*/*.json")))
+    key = (str(results_dir), files)
+    if key not in _PUBLISHED:
+        _PUBLISHED.clear()
+        _PUBLISHED[key] = published_records(load_records(results_dir))
+    return _PUBLISHED[key]
+
+
+def _paper_value(exp: Any, task: str) -> str:
+    # generated instances are gated-decision pairs: the paper's value for the gated task applies
+    return exp.paper.get(task) or (exp.paper.get("gated", "") if task.startswith("generated_") else "")
+
+
+STUDY_COLUMNS = ("model", "task", "included / all", "oracle flip median (nats)", "ours: headline (mean [95% CI])",
+                 "paper")
+
+
+def study_rows(results_dir: str | Path, experiments: Sequence[str]) -> list[list[str]]:
+    """One row per published record of ``experiments`` (experiment, task, model), in study order."""
+    rows = []
+    for name in experiments:
+        exp = get_experiment(name)
+        for rec in published(results_dir):
+            if rec["experiment"] != name:
+                continue
+            gated, flip = gate_cells(rec["summary"])
+            headline = exp.headline(rec["summary"]) if exp.headline else "(no headline defined)"
+            rows.append([rec["model"]["name"], rec["_task"], gated, flip, headline, _paper_value(exp, rec["_task"])])
+    return rows
+
+
+def headline_table(results_dir: str | Path = "results", experiment: str = "locality") -> str:
+    """The README's short table: one experiment's headline on every published (task, model) (default: locality)."""
+    rows = [r[:5] for r in study_rows(results_dir, [experiment])]
+    return markdown_table(rows, STUDY_COLUMNS[:5])
+
+
+def section_table(results_dir: str | Path, *experiments: str) -> str:
+    if not experiments:
+        raise KVProbeError("the block 'kvprobe:section' takes experiment names: <!-- kvprobe:section locality -->")
+    return markdown_table(study_rows(results_dir, experiments), STUDY_COLUMNS)
+
+
+def study_table(results_dir: str | Path = "results") -> str:
+    """The study's models: what each is, when to use it, its load time, and how many runs it publishes."""
+    from kvprobe.study import load_study
+
+    rows = [[f"`{name}`", m.kind, m.about, m.use_when, m.load, str(len(m.runs))]
+            for name, m in load_study().models.items()]
+    return markdown_table(rows, ("model", "kind", "what it is", "when to use it", "load (cached, busy 2-core CPU)", "published runs"))
+
+
+def _claims_summary_block(results_dir: str | Path) -> str:
+    from kvprobe.runner.pages import claims_summary
+
+    return claims_summary(results_dir)
 
 
 def _claims_block(results_dir: str | Path) -> str:
@@ -155,6 +254,9 @@ def _compare_block(results_dir: str | Path, *models: str) -> str:
 GENERATORS: dict[str, Callable[..., str]] = {
     "report": lambda d: markdown_table(report_rows(d)),
     "headlines": headline_table,
+    "study": study_table,
+    "section": section_table,
+    "claims_summary": _claims_summary_block,
     "claims": _claims_block,
     "organism_seeds": _organism_seeds_block,
     "organism_validation": _organism_validation_block,
@@ -163,7 +265,7 @@ GENERATORS: dict[str, Callable[..., str]] = {
     "organism_decisions": _organism_decisions_block,
     "compare": _compare_block,
 }
-TAKES_ARGUMENTS = {"compare"}
+TAKES_ARGUMENTS = {"compare", "section"}
 
 
 def refresh_markdown(text: str, results_dir: str | Path = "results") -> str:
