@@ -214,36 +214,6 @@ def _claims_block(results_dir: str | Path) -> str:
     return claims_markdown(results_dir)
 
 
-def _organism_seeds_block(results_dir: str | Path) -> str:
-    from kvprobe.organism.seeds import seed_table
-
-    return seed_table(results_dir)
-
-
-def _organism_validation_block(results_dir: str | Path) -> str:
-    from kvprobe.organism.validation import validation_table
-
-    return validation_table(results_dir)
-
-
-def _organism_test_draw_block(results_dir: str | Path) -> str:
-    from kvprobe.organism.validation import test_draw_table
-
-    return test_draw_table(results_dir)
-
-
-def _organism_phrasings_block(results_dir: str | Path) -> str:
-    from kvprobe.organism.validation import phrasing_table
-
-    return phrasing_table(results_dir)
-
-
-def _organism_decisions_block(results_dir: str | Path) -> str:
-    from kvprobe.organism.validation import decision_table
-
-    return decision_table(results_dir)
-
-
 def _compare_block(results_dir: str | Path, *models: str) -> str:
     if len(models) != 2:
         raise KVProbeError(f"the block 'kvprobe:compare' takes two model names, got {len(models)}: write "
@@ -258,18 +228,30 @@ GENERATORS: dict[str, Callable[..., str]] = {
     "section": section_table,
     "claims_summary": _claims_summary_block,
     "claims": _claims_block,
-    "organism_seeds": _organism_seeds_block,
-    "organism_validation": _organism_validation_block,
-    "organism_test_draw": _organism_test_draw_block,
-    "organism_phrasings": _organism_phrasings_block,
-    "organism_decisions": _organism_decisions_block,
     "compare": _compare_block,
 }
 TAKES_ARGUMENTS = {"compare", "section"}
+BLOCK_PLUGINS = "kvprobe.report_blocks"  # entry-point group: packages add generated blocks (the organism tables)
+
+
+def register_block(name: str, generate: Callable[..., str]) -> None:
+    """Add a generated block ``<!-- kvprobe:NAME -->``: ``generate(results_dir, *args) -> markdown``."""
+    GENERATORS[name] = generate
+
+
+def _load_block_plugins() -> None:
+    """Blocks other parts of kvprobe contribute through the ``kvprobe.report_blocks`` entry points (pyproject),
+    so the report never imports them: each entry point is a function called with :func:`register_block`."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=BLOCK_PLUGINS):
+        ep.load()(register_block)
 
 
 def refresh_markdown(text: str, results_dir: str | Path = "results") -> str:
     """``text`` with every generated block rebuilt from the records under ``results_dir``."""
+    _load_block_plugins()
+
     def fill(m: re.Match[str]) -> str:
         name = m.group("name")
         if name not in GENERATORS:
