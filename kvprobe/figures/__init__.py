@@ -60,6 +60,10 @@ from kvprobe.figures.twohop_blocks import FIGURES as TWOHOP_BLOCKS_FIGURES  # no
 
 FIGURES.update(TWOHOP_BLOCKS_FIGURES)  # App. G: two-hop facts across precompiled blocks
 
+from kvprobe.figures.memory import FIGURES as MEMORY_FIGURES  # noqa: E402
+
+FIGURES.update(MEMORY_FIGURES)  # Sec. 7: user memory E2/E3/E4 (Figs. 9, 10, 24)
+
 
 def render_all(results_dir: str | Path = "results", out_dir: str | Path = "figures") -> list[Path]:
     out = Path(out_dir)
