@@ -67,6 +67,14 @@ from kvprobe.figures.tau2 import sec9_tau2  # noqa: E402
 
 FIGURES["sec9_tau2"] = ("tau2", sec9_tau2)  # Sec. 9: τ²-bench retail
 
+from kvprobe.figures.memory import FIGURES as MEMORY_FIGURES  # noqa: E402
+
+FIGURES.update(MEMORY_FIGURES)  # Sec. 7: user memory E2/E3/E4 (Figs. 9, 10, 24)
+
+from kvprobe.figures.agent import FIGURES as AGENT_FIGURES  # noqa: E402
+
+FIGURES.update(AGENT_FIGURES)  # Sec. 6: the unified edit+compose agent (7b)
+
 
 def render_all(results_dir: str | Path = "results", out_dir: str | Path = "figures") -> list[Path]:
     """Every figure from the records the study publishes (``study.yaml``), never from scratch or archive records:

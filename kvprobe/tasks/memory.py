@@ -163,3 +163,111 @@ def action_ids(tokenizer: Any, prompt: str, ids: list[int], special: bool, actio
     if out[0] == out[1]:
         raise KVProbeError(f"actions {actions} start with the same token")
     return out
+
+
+TRAJECTORY = ("user: Hi, can you help me sort out a few things on my account today?\n"
+              "assistant: Of course. Tell me what you need and I will check your settings first.\n"
+              "user: Thanks. I have one request for you.")
+
+
+@dataclass(frozen=True)
+class PersonaInstance:
+    """A persona memory with an AND decision over ``relevant`` settings, placed late:
+    ``[preamble][trajectory][USER MEMORY lines][request]`` (the paper's [sys][traj][MEM][query]).
+
+    ``toggle`` is the relevant setting whose flip flips the decision (E3); ``irrelevant`` a setting the
+    request does not read (the negative control). ``value_of`` gives each setting's stored value."""
+
+    index: int
+    scenario: str
+    lines: tuple[str, ...]
+    relevant: tuple[str, ...]
+    setting_line: dict[str, int]
+    toggle: str
+    irrelevant: str
+    request: str
+    action: str
+    other_action: str
+    meta: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+    def with_value(self, setting: str, value: str) -> "PersonaInstance":
+        lines = list(self.lines)
+        lines[self.setting_line[setting]] = f"{setting}: {value}"
+        return replace_lines(self, tuple(lines))
+
+    def value_of(self, setting: str) -> str:
+        return self.lines[self.setting_line[setting]].split(": ", 1)[1]
+
+    def decides(self) -> str:
+        return "allow" if all(self.value_of(s) == "enabled" for s in self.relevant) else "refuse"
+
+    def body(self, erratum: str | None = None) -> str:
+        extra = f"{erratum}\n" if erratum else ""
+        return (f"{PREAMBLE}\n\nCONVERSATION\n{TRAJECTORY}\n\n{MEMORY_HEADER}\n"
+                + "".join(f"- {line}\n" for line in self.lines) + f"\n{extra}{self.request}\n{DECISION}")
+
+    def line_chars(self) -> list[int]:
+        at, out = len(f"{PREAMBLE}\n\nCONVERSATION\n{TRAJECTORY}\n\n{MEMORY_HEADER}\n"), []
+        for line in self.lines:
+            out.append(at)
+            at += len(f"- {line}\n")
+        return [*out, at]
+
+    def row(self) -> dict[str, Any]:
+        return {"scenario": self.scenario, "action": self.action, "n_lines": len(self.lines),
+                "toggle": self.toggle, "irrelevant": self.irrelevant, **self.meta}
+
+
+def replace_lines(inst: "PersonaInstance", lines: tuple[str, ...]) -> "PersonaInstance":
+    from dataclasses import replace
+
+    new = replace(inst, lines=lines)
+    action = new.decides()
+    return replace(new, action=action, other_action="refuse" if action == "allow" else "allow")
+
+
+def persona_instance(index: int, seed: int, n_lines: int = 40, n_settings: int = 8, n_relevant: int = 2,
+                     layout: str = "contiguous") -> PersonaInstance:
+    """A persona with ``n_settings`` settings (``n_relevant`` of them gate the request: AND) among filler notes.
+
+    Labels alternate with ``index`` (allow: every relevant setting enabled; refuse: exactly one disabled).
+    ``layout`` 'contiguous' puts the relevant setting lines next to each other, 'split' spreads them over the
+    memory. Filler notes repeat (cycled) when the memory is longer than the note list."""
+    if layout not in ("contiguous", "split"):
+        raise KVProbeError(f"layout must be 'contiguous' or 'split'; got {layout!r}")
+    if not 1 <= n_relevant < n_settings <= len(SETTINGS) or n_lines < n_settings + 2:
+        raise KVProbeError(f"need 1 <= n_relevant < n_settings <= {len(SETTINGS)} and n_lines >= n_settings + 2")
+    rng = _rng("persona", seed, index)
+    names = rng.sample(sorted(SETTINGS), n_settings)
+    relevant, others = names[:n_relevant], names[n_relevant:]
+    allow = index % 2 == 0
+    values = {s: "enabled" for s in relevant}
+    off = rng.choice(relevant)
+    if not allow:
+        values[off] = "disabled"
+    for s in others:
+        values[s] = rng.choice(VALUES)
+    n_fill = n_lines - n_settings
+    fillers = [FILLER_NOTES[(rng.randrange(len(FILLER_NOTES)) + i) % len(FILLER_NOTES)] for i in range(n_fill)]
+    slots = list(range(n_lines))
+    if layout == "contiguous":
+        start = rng.randint(0, n_lines - n_relevant)
+        rel_slots = list(range(start, start + n_relevant))
+    else:
+        rel_slots = [round((i + 0.5) * n_lines / n_relevant) for i in range(n_relevant)]
+    rest = rng.sample([i for i in slots if i not in rel_slots], len(others))
+    lines: list[str | None] = [None] * n_lines
+    where = {}
+    for s, i in [*zip(relevant, rel_slots), *zip(others, rest)]:
+        lines[i] = f"{s}: {values[s]}"
+        where[s] = i
+    it = iter(fillers)
+    lines = [ln if ln is not None else next(it) for ln in lines]
+    lead = relevant[0]
+    request = (f"REQUEST: {SETTINGS[lead][0].upper()}{SETTINGS[lead][1:]}? This is allowed only if "
+               + " and ".join(relevant) + " are all enabled in the user memory: allow if so, refuse otherwise.")
+    toggle = off if not allow else rng.choice(relevant)  # flipping it flips the AND
+    inst = PersonaInstance(index, lead, tuple(lines), tuple(relevant), where, toggle, rng.choice(others), request,
+                           "allow" if allow else "refuse", "refuse" if allow else "allow", {"layout": layout})
+    assert inst.decides() == inst.action
+    return inst
