@@ -10,7 +10,7 @@ mutable field near its top (an order's status). Every request changes the field'
 
 A client sends each arm's requests as a Poisson process at each offered rate and unthrottled (all at once),
 bounded by ``--requests`` per cell and ``--cell-seconds`` per cell (requests not finished by then are counted
-as incomplete). Per arm and load: TTFT p50/p90, TPOT, throughput, and the engine's own reused-token counts.
+as incomplete, and the server is drained before the next cell). Per arm and load: TTFT p50/p90, TPOT, throughput, and the engine's own reused-token counts.
 
     make bench-serve [MODEL=smollm2-135m] [ARGS="--rates 0.05 0.1 0.2 --requests 4"]
 """
@@ -114,7 +114,9 @@ def run_cell(port: int, prompts: list[list[int]], rate: float | None, max_tokens
     for th in threads:
         th.join(timeout=max(0.0, deadline_s - (time.perf_counter() - t_start)))
     with lock:
-        done = list(results)
+        done = [r for r in results if r["end"] - t_start <= deadline_s]
+    for th in threads:  # drain: the next cell must not queue behind this one's late requests
+        th.join()
     span = (max(r["end"] for r in done) - t_start) if done else float("nan")
     ttft = [r["ttft"] for r in done]
     return {"sent": len(threads), "done": len(done),
