@@ -24,7 +24,7 @@ ENGINE_FIND_LINKS := $(if $(wildcard $(ENGINE_WHEELS)/*.whl),--find-links $(ENGI
 
 help:
 	@echo "make exp-<name> [MODEL=alias]   run configs/<name>.yaml, one per file there (e.g. make exp-locality MODEL=qwen2.5-coder-0.5b)"
-	@echo "make bench-<name> [MODEL=alias] run benchmarks/<name>.py: sweep, ttft, edit, blocks"
+	@echo "make bench-<name> [MODEL=alias] run benchmarks/<name>.py: sweep, ttft, edit, blocks, engine_oracle, serve"
 	@echo "make gate MODEL=alias_or_dir    RoPE re-rotation correctness gate"
 	@echo "make test                        install and run the test suite (slow model tests included)"
 	@echo "make figures                     render every figure from the records in results/"

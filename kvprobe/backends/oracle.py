@@ -73,7 +73,10 @@ def compare_instance(lm: Any, engine: LlamaCppEngine, template: Any, inst: Any) 
     hf_ref = {name: hf["full_reprefill"] if p == pair.ids_new else _hf(lm, prefill(lm, p[:-1]), p[-1:])
               for name, p in prompts.items()}
 
-    # the engine, on its own cache
+    # the engine, on its own cache. Start from an empty cell buffer: llama.cpp's numbers depend on where cells
+    # sit in its buffer (cells out of position order after earlier requests' holes change the attention
+    # numerics slightly), so a comparison must not depend on what the engine ran before.
+    engine.clear()
     eng: dict[str, Any] = {"full_reprefill": engine.full_reprefill(pair.ids_new)}
     engine.cache_context(ctx_old)
     eng["in_place"] = engine.in_place(ctx_new, slots, suffix)
