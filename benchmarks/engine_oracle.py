@@ -17,8 +17,9 @@ import time
 
 import torch
 
-from kvprobe.backends.llamacpp import LlamaCppEngine, gguf_path
-from kvprobe.backends.oracle import OPERATIONS, compare_instance
+from kvprobe.backends.llamacpp import LlamaCppEngine
+from kvprobe.models.loading import gguf_path
+from kvprobe.kv.engine_oracle import OPERATIONS, compare_instance
 from kvprobe.models.loading import load_model
 from kvprobe.tasks.gated import generate_instances, load_template
 

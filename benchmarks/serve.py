@@ -29,7 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvprobe.backends.llamacpp import LlamaCppEngine, gguf_path
+from kvprobe.backends.llamacpp import LlamaCppEngine
+from kvprobe.models.loading import gguf_path
 from kvprobe.backends.server import PrefixCachingEngine, make_server
 from kvprobe.models.loading import load_model
 

@@ -18,7 +18,8 @@ DECISION_MARGIN = 0.5  # nats: decisions must agree wherever the reference's |lo
 
 @pytest.fixture(scope="module")
 def engine():
-    from kvprobe.backends.llamacpp import LlamaCppEngine, gguf_path
+    from kvprobe.backends.llamacpp import LlamaCppEngine
+    from kvprobe.models.loading import gguf_path
 
     with LlamaCppEngine(gguf_path("smollm2-135m"), n_ctx=2048, n_threads=1) as eng:
         yield eng
@@ -75,7 +76,7 @@ def test_in_place_changes_the_answer_and_keeps_the_stale_suffix(engine, smollm):
 
 
 def test_operations_agree_with_the_hf_oracle_on_the_same_gguf(engine, smollm, template):
-    from kvprobe.backends.oracle import OPERATIONS, compare_instance
+    from kvprobe.kv.engine_oracle import OPERATIONS, compare_instance
     from kvprobe.tasks.gated import generate_instances
 
     rows = [compare_instance(smollm, engine, template, inst)

@@ -41,17 +41,6 @@ def available() -> bool:
     return _llama is not None
 
 
-def gguf_path(alias: str) -> Path:
-    """The GGUF file behind an embedded model alias (the same weights kvprobe's HF loader dequantizes)."""
-    from kvprobe.models.loading import _gguf_path
-    from kvprobe.models.registry import resolve
-
-    entry = resolve(alias)
-    if isinstance(entry, Path) or entry.gguf_file is None or entry.kind == "organism":
-        raise KVProbeError(f"model '{alias}' has no GGUF file of its own; use an embedded GGUF alias (smollm2-135m)")
-    return _gguf_path(entry)
-
-
 @dataclass(frozen=True)
 class EngineResult:
     logits: np.ndarray  # [vocab] float32, after the last prompt token

@@ -435,3 +435,12 @@ def weights_available(entry: ModelEntry) -> bool:
         return isinstance(hit, str)
     except KVProbeError:
         return False
+
+
+def gguf_path(alias: str) -> Path:
+    """The GGUF file behind an embedded model alias (the same weights kvprobe's HF loader dequantizes): what
+    the llama.cpp backend (``kvprobe.backends.llamacpp``) loads."""
+    entry = resolve(alias)
+    if isinstance(entry, Path) or entry.gguf_file is None or entry.kind == "organism":
+        raise KVProbeError(f"model '{alias}' has no GGUF file of its own; use an embedded GGUF alias (smollm2-135m)")
+    return _gguf_path(entry)
