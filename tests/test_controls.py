@@ -92,3 +92,16 @@ def test_long_horizon_and_timing_carry_paired_row_measures(tiny_text_dir, tmp_pa
     measured = [r for r in rows if "decision_by_turn" in r]  # the summary's rows: gated ones when any passed
     assert len(measured) == s["agreement"]["n"] == s["agreement_last_minus_first"]["difference"]["n"] >= 1
     assert all(0 <= r["decision_by_turn"]["agreement"] <= 1 for r in measured) and len(s["agreement_per_turn"]) == 3
+
+
+def test_span_direction_lies_in_the_span_of_the_training_differences():
+    import torch
+    from types import SimpleNamespace
+
+    from kvprobe.features.directions import span_direction
+
+    exs = [SimpleNamespace(base_acts=torch.zeros(2, 4), source_acts=torch.tensor([[1.0, 2.0, 0, 0], [0, 1.0, 0, 0]]))
+           for _ in range(3)]
+    u = span_direction(exs, (0, 1))
+    assert float(u.norm()) == pytest.approx(1.0, abs=1e-6) and float(u[2:].abs().max()) == 0
+    assert not torch.allclose(u, span_direction(exs, (0, 2)))
