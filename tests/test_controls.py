@@ -105,3 +105,23 @@ def test_span_direction_lies_in_the_span_of_the_training_differences():
     u = span_direction(exs, (0, 1))
     assert float(u.norm()) == pytest.approx(1.0, abs=1e-6) and float(u[2:].abs().max()) == 0
     assert not torch.allclose(u, span_direction(exs, (0, 2)))
+
+
+def test_norm_matched_clamp_moves_by_the_given_norm_along_the_features():
+    import torch
+
+    from kvprobe.features.sae import norm_matched_clamp
+
+    class FakeSAE:  # encode = relu(x @ W_enc); decoder rows = features
+        W_dec = torch.eye(4, 6)
+        W_enc = torch.eye(6, 4)
+
+        def encode(self, x):
+            return torch.relu(x @ self.W_enc)
+
+    x = torch.tensor([[1.0, 0, 0, 0, 0, 0], [0, 0, 2.0, 0, 0, 0]])
+    norms = torch.tensor([0.5, 3.0])
+    out = norm_matched_clamp(FakeSAE(), x, [1, 2], torch.tensor([1.0, 0.0]), norms, (0,))
+    delta = out - x
+    assert torch.allclose(delta.norm(dim=-1), norms) and float(delta[:, [0, 3, 4, 5]].abs().max()) == 0
+    assert float(delta[1, 2]) < 0 and float(delta[0, 1]) > 0  # toward the targets
