@@ -125,3 +125,40 @@ def test_norm_matched_clamp_moves_by_the_given_norm_along_the_features():
     delta = out - x
     assert torch.allclose(delta.norm(dim=-1), norms) and float(delta[:, [0, 3, 4, 5]].abs().max()) == 0
     assert float(delta[1, 2]) < 0 and float(delta[0, 1]) > 0  # toward the targets
+
+
+def test_specificity_crossfit_reaches_the_claims(tiny_text_dir, tmp_path):
+    from kvprobe.claims import claim_rows, evaluate
+
+    args = ["--model", str(tiny_text_dir), "--output-dir", str(tmp_path), "--set", "task.n_instances=4",
+            "--set", "gate.min_flip=0", "--set", "task.n_filler=20", "--set", "params.ks=[2]",
+            "--set", "params.random_draws=2", "--quiet"]
+    assert main(["run", "configs/specificity.yaml", *args]) == 0
+    rec = json.loads(next(tmp_path.glob("specificity/*/*.json")).read_text())
+    cf = rec["summary"]["row_measures"]["crossfit"]
+    assert set(cf["rows"]) == {str(r["index"]) for r in rec["rows"]} and set(cf["folds"].values()) == {0, 1}
+    assert all(0 <= v["overlap_in_sample"]["2"] <= 1 for v in cf["rows"].values())
+    rows = claim_rows(rec)
+    assert all("top2" in r["crossfit"] for r in rows)
+    c = rec["summary"]["crossfit"]["2"]["crossfit_vs_random"]
+    assert c["difference"]["n"] == (rec["summary"]["n_included"] or 4)  # gated rows when any passed
+    claim = next(cl for cl in get_experiment("specificity").claims if cl.key == "crossfit_top8_vs_rand8")
+    assert evaluate(claim, rec)["n"] == 0  # k=8 was not run: nothing to test, not a silent pass
+
+
+@pytest.mark.parametrize("name,extra,key", [
+    ("suffix", ["params.top_k=[1,2]", "params.layer_bands=2", "params.per_layer=false"], "top2"),
+    ("knockout", ["params.ks=[2]", "params.random_draws=1", "params.position_bands=2"], "top2"),
+    ("heads", ["params.ks=[1,2]", "params.random_draws=1", "params.top_notes=1"], "read_top2"),
+])
+def test_crossfit_rows_in_suffix_knockout_and_heads(name, extra, key, tiny_text_dir, tmp_path):
+    from kvprobe.claims import claim_rows
+
+    sets = ["task.n_instances=4", "gate.min_flip=0", "task.n_filler=20", *extra]
+    args = ["run", f"configs/{name}.yaml", "--model", str(tiny_text_dir), "--output-dir", str(tmp_path),
+            *[x for s in sets for x in ("--set", s)], "--quiet"]
+    assert main(args) == 0
+    rec = json.loads(next(tmp_path.glob(f"{name}/*/*.json")).read_text())
+    rows = claim_rows(rec)
+    assert len(rows) == 4 and all(np.isfinite(r["crossfit"][key]) for r in rows)
+    assert rec["summary"]["crossfit"]

@@ -130,3 +130,90 @@ def crossfit_slots(keys: Sequence[tuple[str, int]], slots: Sequence[int], score:
     unit_score = {i: score[keys[i]] for i in units if keys[i] in score}
     top = crossfit_top(units, unit_score, k, fallback=lambda i: token_mean.get(keys[i][0], 0.0))
     return [slots[i] for i in top]
+
+
+# -- cross-fitted top-k positions (suffix, specificity, knockout) ---------------------------------------------
+
+def keep_ranking(ctx: Any, inst: Any, case: Any, ranking: Any, descending: bool = True) -> None:
+    """Remember an instance's full position ranking for :func:`crossfit_positions` (in ``ctx.scratch``: all
+    downstream slots are too many for a row): its slots, their strength (higher = stronger; an ascending
+    ranking is negated) and their :func:`slot_key`."""
+    from kvprobe.patching.ranking import decode_token
+
+    down = list(case.pp.downstream_slots)
+    where = {s: i for i, s in enumerate(down)}
+    roles = instance_roles(inst)
+    keys = [slot_key(decode_token(ctx.lm.tokenizer, case.pair.ids_old[s]), roles, where.get(s, 0), len(down))
+            for s in ranking.positions]
+    strength = [float(e) if descending else -float(e) for e in ranking.effects]
+    ctx.scratch.setdefault("crossfit", {})[inst.index] = {"inst": inst, "slots": list(ranking.positions),
+                                                          "strength": strength, "keys": keys}
+
+
+def _instance(ctx: Any, index: int) -> Any:
+    from kvprobe.runner.experiment import default_instances
+
+    if "all_instances_by_index" not in ctx.scratch:
+        ctx.scratch["all_instances_by_index"] = {i.index: i for i in default_instances(ctx)}
+    return ctx.scratch["all_instances_by_index"][index]
+
+
+def crossfit_positions(ctx: Any, rows: Sequence[dict[str, Any]], ks: Sequence[int],
+                       case_of: Callable[[Any], Any], rank: Callable[[Any], Any],
+                       measure: Callable[[Any, list[list[int]]], list[float]], descending: bool = True
+                       ) -> dict[str, Any]:
+    """Top-k positions chosen for each instance from the OTHER fold's single-position effects (per slot key),
+    then measured on the instance with ``measure(case, [slots per k])``; the folds swap (:func:`scenario_folds`).
+
+    ``case_of(inst)`` rebuilds an instance's case; ``rank(case)`` is the experiment's own ranking, recomputed
+    only for rows a resumed run read from disk. Returns ``{what, folds, rows: {index: {topK: value, ...}}}``
+    (a ``row_measures`` entry)."""
+    kept = ctx.scratch.setdefault("crossfit", {})
+    for r in rows:
+        if r["index"] not in kept:
+            inst = _instance(ctx, r["index"])
+            keep_ranking(ctx, inst, case_of(inst), rank(case_of(inst)), descending)
+    scores = crossfit_scores(rows, lambda r: slot_scores(kept[r["index"]]["keys"], kept[r["index"]]["strength"]),
+                             ctx.cfg.seed)
+    out_rows: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        k = kept[r["index"]]
+        sets = [crossfit_slots(k["keys"], k["slots"], scores[r["index"]], kk) for kk in ks]
+        values = measure(case_of(k["inst"]), sets)
+        out_rows[str(r["index"])] = {**{f"top{kk}": float(v) for kk, v in zip(ks, values)},
+                                     "overlap_in_sample": {str(kk): len(set(s) & set(k["slots"][:kk])) / max(kk, 1)
+                                                           for kk, s in zip(ks, sets)}}
+    folds = scenario_folds(rows, ctx.cfg.seed)
+    return {"what": "per instance: the top-k positions chosen by the other scenario fold's single-position "
+                    "effects (per token role and relative place), measured on this instance; overlap_in_sample: "
+                    "share of them in the instance's own top-k; the claims rows test these",
+            "folds": {str(i): f for i, f in folds.items()}, "rows": out_rows}
+
+
+def crossfit_summary(rows: Sequence[dict[str, Any]], measures: dict[str, Any], ks: Sequence[int],
+                     in_sample: Callable[[dict[str, Any], int], float | None],
+                     random: Callable[[dict[str, Any], int], float | None], seed: int = 0) -> dict[str, Any]:
+    """Per k, over gated rows (all when none passed): cross-fitted top-k against random-k (the claim) and
+    against the in-sample top-k (what the selection added), each paired per instance."""
+    used = [r for r in rows if r.get("included")] or list(rows)
+    used = [r for r in used if str(r["index"]) in measures["rows"]]
+    cf = {k: [measures["rows"][str(r["index"])][f"top{k}"] for r in used] for k in ks}
+    return {"over": "gated" if any(r.get("included") for r in rows) else "all", "n": len(used),
+            "n_clusters": len({str(c) for c in scenarios(used)}),
+            **{str(k): {"crossfit_vs_random": paired_contrast(used, cf[k], [random(r, k) for r in used], seed),
+                        "in_sample_vs_crossfit": paired_contrast(used, [in_sample(r, k) for r in used], cf[k],
+                                                                 seed)}
+               for k in ks}}
+
+
+def crossfit_cell(summary: dict[str, Any], k: int) -> str:
+    """``cross-fit top-k X [CI] vs random-k Y (in-sample Z)`` of a :func:`crossfit_summary`."""
+    from kvprobe.probes.summary import ci_cell
+
+    c = summary.get(str(k))
+    if not c:
+        return "n/a"
+    v = c["crossfit_vs_random"]
+    return (f"cross-fit top-{k} {ci_cell(v['effect'])} vs random-{k} {ci_cell(v['control'])} "
+            f"(diff {ci_cell(v['difference'], signed=True)}; in-sample top-{k} "
+            f"{ci_cell(c['in_sample_vs_crossfit']['effect'])}; n {summary['n']}, {summary['n_clusters']} scenarios)")
