@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import time
 import zlib
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -40,14 +41,15 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvprobe.features.directions import (Example, NoteSite, case_with_resid, diff_of_means, note_instances,
-                                         examples_of, find_notes,
-                                         held_out_lds, random_direction, read_gain, reader_matrix, subspace_cosine, train_das,
-                                         note_row, variance_ratio)
+                                         examples_of, find_notes, held_out_lds, random_direction, read_gain,
+                                         reader_matrix, span_direction, subspace_cosine, train_das, note_row,
+                                         variance_ratio)
 from kvprobe.claims import Claim, near
 from kvprobe.runner.config import hash_neutral
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.probes.summary import ci_cell, gate_summary, summarize_column
 
+CONTROLS = ("span", "shuffled")  # random direction in the training differences' span; shuffled-label dom
 HELD_OUT_DEFAULT = ["accounts", "inventory", "payments", "promotions"]  # the organisms' held-out families
 
 
@@ -144,11 +146,15 @@ def _site_report(ctx: Context, site: NoteSite, train: list[dict[str, Any]], held
     p, seed = ctx.params, ctx.cfg.seed
     tr, ho = _examples(ctx, train, site), _examples(ctx, held, site)
     u, gap = _dom(tr)
-    randoms = {f"random{j}": random_direction(site.dim(ctx.lm.spec), (seed, site.layer, zlib.crc32(site.label.encode()), j))
-               for j in range(p.n_random)}
+    site_seed = (seed, site.layer, zlib.crc32(site.label.encode()))
+    randoms = {f"random{j}": random_direction(site.dim(ctx.lm.spec), (*site_seed, j)) for j in range(p.n_random)}
+    # Discriminating controls (a 1-D random direction moves ~1/d of the difference by geometry alone): a random
+    # direction in the span of the training differences, and the difference of means under shuffled labels.
+    controls = {**{f"span{j}": span_direction([ex for ex, _ in tr], (*site_seed, 1, j)) for j in range(p.n_random)},
+                **{f"shuffled{j}": _shuffled_dom(tr, (*site_seed, 2, j)) for j in range(p.n_random)}}
     bases: dict[str, torch.Tensor] = {}
     out: dict[str, Any] = {"site": site.label, "kind": site.kind, "layer": site.layer, "head": site.head,
-                           "n_train": len(tr), "n_held_out": len(ho), "gap": gap}
+                           "dim": site.dim(ctx.lm.spec), "n_train": len(tr), "n_held_out": len(ho), "gap": gap}
     if train_das_here:
         d = p.das
         res = train_das(ctx.lm, [ex for ex, _ in tr], d.rank, d.steps, d.batch, d.lr, d.boundless,
@@ -161,8 +167,8 @@ def _site_report(ctx: Context, site: NoteSite, train: list[dict[str, Any]], held
     per_ex = []
     for ex, row in ho:
         sign = 1.0 if _conclusion(ex, row) == 0 else -1.0  # +u moves an allow base toward block
-        lds = held_out_lds(ctx.lm, ex, {"dom": u, **randoms}, bases, {"dom": u, "random0": randoms["random0"]},
-                           [a * gap for a in p.alphas], sign)
+        lds = held_out_lds(ctx.lm, ex, {"dom": u, **randoms, **controls}, bases,
+                           {"dom": u, "random0": randoms["random0"]}, [a * gap for a in p.alphas], sign)
         per_ex.append((ex, row, lds))
     out["eval_seconds"] = round(time.perf_counter() - t0, 2)
     out["effects"] = _effects(ctx, per_ex, list(bases), p.n_random, p.alphas, gap)
@@ -174,6 +180,15 @@ def _site_report(ctx: Context, site: NoteSite, train: list[dict[str, Any]], held
     out["overlap"] = {k: {"read_gain": None if w is None else read_gain(w, v, seed=seed),
                           "variance_ratio": variance_ratio(clean, v)} for k, v in dirs.items()}
     return out
+
+
+def _shuffled_dom(pairs: list[tuple[Example, dict[str, Any]]], seed: Sequence[int]) -> torch.Tensor:
+    """The block - allow difference of means with the training examples' conclusion labels permuted (seeded):
+    what a difference of means finds with the same activations and no conclusion."""
+    labels = np.random.default_rng(list(seed)).permutation([_conclusion(ex, row) for ex, row in pairs])
+    block = torch.cat([ex.base_acts for (ex, _), c in zip(pairs, labels) if c == 1])
+    allow = torch.cat([ex.base_acts for (ex, _), c in zip(pairs, labels) if c == 0])
+    return diff_of_means(block, allow)
 
 
 def _recovery(ex: Example, row: dict[str, Any], value: float) -> float:
@@ -190,6 +205,8 @@ def _row_effects(per_ex: list, subspaces: list[str], n_random: int) -> dict[str,
     for ex, row, lds in per_ex:
         vals = {"full": lds["full"], "dom": lds["dir:dom"],
                 "random": float(np.mean([lds[f"dir:random{j}"] for j in range(n_random)])),
+                **{c: float(np.mean([lds[f"dir:{c}{j}"] for j in range(n_random)])) for c in CONTROLS
+                   if f"dir:{c}0" in lds},
                 **{k: lds[f"sub:{k}"] for k in subspaces}}
         cell = acc.setdefault(str(row["index"]), {})
         for k, v in vals.items():
@@ -221,6 +238,9 @@ def _effects(ctx: Context, per_ex: list, subspaces: list[str], n_random: int, al
     out: dict[str, Any] = {"recovery_over": "included" if rows_i and all(r["included"] for r in rows_i) else "all"}
     out.update({k: stat(lambda lds, k=k: lds[k]) for k in labels})
     out["dir:random"] = stat(lambda lds: float(np.mean([lds[f"dir:random{j}"] for j in range(n_random)])))
+    for c in CONTROLS:
+        if per_ex and f"dir:{c}0" in per_ex[0][2]:
+            out[f"dir:{c}"] = stat(lambda lds, c=c: float(np.mean([lds[f"dir:{c}{j}"] for j in range(n_random)])))
     out["steering"] = {k.split(":")[1]: {} for k in steer}
     for k in ("dom", "random0"):
         out["steering"][k] = {f"{a:g}": stat(lambda lds, a=a, k=k: lds[f"steer:{k}:{a * gap:g}"]) for a in alphas}
@@ -289,8 +309,8 @@ def table(s: dict[str, Any]) -> str:
     lines = [f"pairs: train {s['n_train_pairs']} ({s['fit_on']}), held-out {s['n_held_out_pairs']} "
              f"({s['n_held_out_flipping']} flipping; families {', '.join(s['eval_families'])}); "
              "recovery [CI] over included held-out pairs, IIA over flipping ones",
-             f"{'site':<15}{'full-site':<22}{'DAS':<22}{'dom':<22}{'random':<22}{'dom IIA':<10}cos(DAS,dom)  "
-             "read gain dom/DAS"]
+             f"{'site':<15}{'full-site':<22}{'DAS':<22}{'dom':<22}{'random':<22}{'span-random':<22}"
+             f"{'shuffled dom':<22}{'dom IIA':<10}cos(DAS,dom)  read gain dom/DAS"]
     for x in s["sites"]:
         e, ov = x["effects"], x["overlap"]
         das = ci_cell(e["sub:das"]["recovery"]) if "sub:das" in e else "-"
@@ -299,11 +319,24 @@ def table(s: dict[str, Any]) -> str:
                          for k in ("dom", "das"))
         lines.append(f"{x['site']:<15}{ci_cell(e['full']['recovery']):<22}{das:<22}"
                      f"{ci_cell(e['dir:dom']['recovery']):<22}{ci_cell(e['dir:random']['recovery']):<22}"
-                     f"{ci_cell(e['dir:dom']['iia']):<10}{cos:<14}{gains}")
+                     + "".join(f"{ci_cell(e[f'dir:{c}']['recovery']) if f'dir:{c}' in e else '-':<22}"
+                               for c in CONTROLS)
+                     + f"{ci_cell(e['dir:dom']['iia']):<10}{cos:<14}{gains}")
     if s.get("layer_decodability"):
         lines.append("held-out accuracy of the residual dom projection per layer: "
                      + " ".join(f"{a:.2f}" for a in s["layer_decodability"]))
     return "\n".join(lines)
+
+
+def das_flag(site: dict[str, Any]) -> str:
+    """A warning when DAS recovers more than the full-site patch at the same site (a learned subspace can act
+    through a direction the model does not use: Makelov et al. 2024), with the subspace size."""
+    e = site["effects"]
+    das, full = e.get("sub:das", {}).get("recovery", {}).get("mean"), e["full"]["recovery"]["mean"]
+    if das is None or full is None or das <= full:
+        return ""
+    return (f"DAS ABOVE THE FULL-SITE PATCH ({das:.2f} vs {full:.2f}) with a {site['das']['rank']}-dimensional "
+            f"subspace of {site.get('dim', '?')}: possibly an interpretability illusion")
 
 
 def headline(s: dict[str, Any]) -> str:
@@ -313,10 +346,15 @@ def headline(s: dict[str, Any]) -> str:
     for key, name in (("dir:dom", "dom direction"), ("sub:das", "DAS")):
         b = _best(s, key)
         if b:
-            parts.append(f"{name} best at {b['site']}: recovery {ci_cell(b['effects'][key]['recovery'])}, IIA "
+            size = f" ({b['das']['rank']} dims)" if key == "sub:das" else ""
+            ctl = "".join(f", {label} {ci_cell(b['effects'][f'dir:{c}']['recovery'])}"
+                          for c, label in zip(CONTROLS, ("span-random", "shuffled-label dom"))
+                          if f"dir:{c}" in b["effects"])
+            parts.append(f"{name}{size} best at {b['site']}: recovery {ci_cell(b['effects'][key]['recovery'])}, IIA "
                          f"{ci_cell(b['effects'][key]['iia'])} (full-site {ci_cell(b['effects']['full']['recovery'])},"
-                         f" random {ci_cell(b['effects']['dir:random']['recovery'])})")
-    return "; ".join(parts) + f"; held-out families {len(s['eval_families'])}"
+                         f" random {ci_cell(b['effects']['dir:random']['recovery'])}{ctl})")
+    flags = [f"{x['site']}: {das_flag(x)}" for x in s["sites"] if "das" in x and das_flag(x)]
+    return "; ".join(flags + parts) + f"; held-out families {len(s['eval_families'])}"
 
 
 EXPERIMENT = Experiment(name="directions", doc=__doc__, params=Params, run_instance=run_instance,
@@ -345,4 +383,18 @@ EXPERIMENT = Experiment(name="directions", doc=__doc__, params=Params, run_insta
                             near("random_zero", "a random direction at the same site recovers ~0",
                                  "0.01 (Llama-3.1-8B), 0.00 (Gemma-2 / Mistral); polarity task; +-0.1 is kvprobe's "
                                  "margin", "held_out_site.random", 0.0, 0.01, template=stem, role="control",
-                                 location="App. D (2)"))))
+                                 location="App. D (2)"),
+                                  near("dom_in_range", "the dom direction at the note residual recovers in the paper's "
+                                 "range (held-out pairs)", "0.22-0.23 (Llama L12-14, App. D (2), polarity task)",
+                                 "held_out_site.dom", 0.225, 0.225, template=stem, paper_range=(0.22, 0.23), role="control", location="App. D (2), Tab. 5"),
+                            # role: control comparisons. The dom direction against controls that can win: a
+                            # random direction in the span of the training differences, and the shuffled-label
+                            # difference of means (the paper compares against a random 1-D direction only).
+                                 Claim("dom_vs_span_random", "the dom direction at the note residual recovers more than a "
+                                  "random direction in the span of the training differences (held-out, paired)",
+                                  "not in the paper (its control: random 1-D, 0.01)", "greater", "held_out_site.dom",
+                                  "held_out_site.span", template=stem, role="control", location="App. D (2), Tab. 5"),
+                                  Claim("dom_vs_shuffled", "the dom direction at the note residual recovers more than the "
+                                  "difference of means under shuffled conclusion labels (held-out, paired)",
+                                  "not in the paper", "greater", "held_out_site.dom", "held_out_site.shuffled",
+                                  template=stem, role="control", location="App. D (2), Tab. 5"))))

@@ -29,6 +29,7 @@ from kvprobe.kv.edit import recompute_slots
 from kvprobe.kv.readout import prefill, read_logits
 from kvprobe.metrics import logit_cosine, logit_diff
 from kvprobe.probes.edit_summary import base_row, edit_case, edit_gate_summary
+from kvprobe.probes.controls import paired_contrast
 from kvprobe.probes.summary import ci_cell, summarize_column
 from kvprobe.claims import ACCURACY_MARGIN, Claim, near
 from kvprobe.runner.experiment import Context, Experiment
@@ -122,6 +123,20 @@ def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
     out["cosine_slope_per_turn"] = _slope_ci(cosine, ctx.params.n_boot, seed)
     out["cosine_first_third"] = float(cosine[:, :third].mean())
     out["cosine_last_third"] = float(cosine[:, -third:].mean())
+    # The decision is what is judged (full-vocabulary cosine stays high on a cache that never follows the
+    # erratum): per instance, agreement over all turns, over the first and the last third, and its change.
+    cache_acc, ref_acc = grid("cache_correct").mean(axis=1), grid("reference_correct").mean(axis=1)
+    first, last = agree[:, :third].mean(axis=1), agree[:, -third:].mean(axis=1)
+    out["row_measures"] = {"decision_by_turn": {
+        "what": "per instance: decision agreement with the reprefill over all turns, its first and last third and "
+                "last minus first, and the cache's and the reference's accuracy; the claims rows test these",
+        "rows": {str(r["index"]): {"agreement": float(agree[i].mean()), "first_third": float(first[i]),
+                                   "last_third": float(last[i]), "last_minus_first": float(last[i] - first[i]),
+                                   "cache_accuracy": float(cache_acc[i]), "reference_accuracy": float(ref_acc[i])}
+                 for i, r in enumerate(used)}}}
+    out["agreement_per_turn"] = [summarize_column(used, [bool(t) for t in agree[:, i] > 0.5]) for i in range(n_turns)]
+    out["agreement_last_minus_first"] = paired_contrast(used, last.tolist(), first.tolist(), seed)
+    out["cache_minus_reference_accuracy"] = paired_contrast(used, cache_acc.tolist(), ref_acc.tolist(), seed)
     out["reference_accuracy"] = float(grid("reference_correct").mean())
     out["cache_accuracy"] = float(grid("cache_correct").mean())
     out["canonical_tokenization"] = float(grid("canonical_tokenization").mean())
@@ -149,10 +164,18 @@ def headline(s: dict[str, Any]) -> str:
     def num(x: float | None) -> str:  # a CI over one instance is undefined (stored as null)
         return "n/a" if x is None or x != x else f"{x:+.4f}"
 
-    return (f"{s['turns']} turns ({s['scheme']}): agreement {ci_cell(s['agreement'])}, cosine {ci_cell(s['cosine'], 3)} "
-            f"(first third {s['cosine_first_third']:.3f} -> last {s['cosine_last_third']:.3f}); agreement slope "
-            f"{num(a['slope'])}/turn [{num(a['ci_low'])}, {num(a['ci_high'])}]; reprefill accuracy "
-            f"{s['reference_accuracy']:.2f}")
+    lead = ""
+    if "agreement_last_minus_first" in s:  # records written before the decision block have none
+        d, acc = s["agreement_last_minus_first"]["difference"], s["cache_minus_reference_accuracy"]
+        lead = (f"decision agreement per turn {ci_cell(s['agreement'])} (n {s['agreement']['n']}, "
+                f"{s['agreement']['n_clusters']} scenarios), last - first third {ci_cell(d, 2, signed=True)}; "
+                f"cache accuracy {acc['effect']['mean']:.2f} vs reference {acc['control']['mean']:.2f} "
+                f"({ci_cell(acc['difference'], 2, signed=True)}); ")
+    return lead + (f"{s['turns']} turns ({s['scheme']}): agreement {ci_cell(s['agreement'])}, "
+                   f"cosine {ci_cell(s['cosine'], 3)} "
+                   f"(first third {s['cosine_first_third']:.3f} -> last {s['cosine_last_third']:.3f}); agreement "
+                   f"slope {num(a['slope'])}/turn [{num(a['ci_low'])}, {num(a['ci_high'])}]; reprefill accuracy "
+                   f"{s['reference_accuracy']:.2f}")
 
 
 EXPERIMENT = Experiment(name="long_horizon", doc=__doc__, needs_template=True, params=Params, run_instance=run_instance,

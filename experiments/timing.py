@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -28,8 +29,9 @@ from kvprobe.patching.residuals import commit_layer, logit_lens, relative_depth
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.probes.common import (case_row, fit_rows, layer_probe, named_slots, pair_features,
                                          polarity_instances, probe_case, probe_features, slot_tokens)
+from kvprobe.probes.controls import paired_contrast
 from kvprobe.probes.summary import ci_cell, gate_summary, recovery_summary, which
-from kvprobe.stats.probe import first_layer_at
+from kvprobe.stats.probe import first_layer_at, group_cv_margins, settle_layer
 from kvprobe.tasks.polarity import prompt_labels
 
 
@@ -75,9 +77,41 @@ def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
     out.update(aggregator=p.aggregator, fit_on=p.fit_on, n_layers=n, decodable_at=p.decodable_at,
                write_probe=probe, write_layer=write,
                write_depth=None if write is None else relative_depth(write, n))
+    paired = _paired_depths(use, feats, p, n)
+    out["row_measures"] = {"write_vs_commit": {
+        "what": "per instance: write depth (the earliest layer from which the held-out conclusion probe is right on "
+                "the aggregator for the rest of the stack, mean of the two prompts), its commit depth, and commit "
+                "minus write; the claims rows test these", "rows": paired}}
+    kept = [r for r in rows if str(r["index"]) in paired]
+    kept_g = [r for r in kept if r["included"]] or kept
+    out["write_before_commit_paired"] = paired_contrast(
+        kept_g, [paired[str(r["index"])]["commit_depth"] for r in kept_g],
+        [paired[str(r["index"])]["write_depth"] for r in kept_g], seed=ctx.cfg.seed)
+    out["write_before_commit_paired"]["over"] = "gated" if kept_g is not kept else "all"
+    out["write_before_commit_paired"]["n_never_written"] = sum(
+        paired[str(r["index"])]["write_depth"] is None for r in kept_g)
     out["commit"] = recovery_summary(rows, ["commit_depth", "commit_depth_old", "commit_depth_new"], seed=ctx.cfg.seed)
     commit = out["commit"]["commit_depth"][which(out)]["mean"]
     out["write_before_commit"] = None if write is None or commit is None else out["write_depth"] < commit
+    return out
+
+
+def _paired_depths(rows: list[dict[str, Any]], feats: dict[int, Any], p: Params, n: int) -> dict[str, Any]:
+    """Per row: write depth from the out-of-fold signed margins of the same group-CV probe, per layer (two
+    prompts per row, as in :func:`layer_probe`), beside the row's commit depth."""
+    if not rows:
+        return {}
+    x = np.concatenate([feats[r["index"]]["aggregator"] for r in rows])  # [2 * rows, layers, d]
+    y = [v for r in rows for v in r["labels"]["conclusion"]]
+    groups = [r["scenario"] for r in rows for _ in range(2)]
+    margins = np.stack([group_cv_margins(x[:, layer], y, groups, p.n_splits, p.c) for layer in range(x.shape[1])],
+                       axis=1)  # [2 * rows, layers]
+    out = {}
+    for i, r in enumerate(rows):
+        layers = [settle_layer(margins[2 * i + j]) for j in range(2)]
+        write = None if None in layers else float(np.mean([relative_depth(w, n) for w in layers]))
+        out[str(r["index"])] = {"write_depth": write, "commit_depth": r["commit_depth"],
+                                "commit_minus_write": None if write is None else r["commit_depth"] - write}
     return out
 
 
@@ -90,7 +124,17 @@ def table(s: dict[str, Any]) -> str:
             f"conclusion probe on the {s['aggregator']} aggregator (fit on {s['fit_on']}), accuracy per layer: {accs}\n"
             f"write depth (first layer >= {s['decodable_at']}): {write}\n"
             f"commit depth (logit-lens sign settles, {w} instances): {ci_cell(c)}\n"
-            f"written before committed: {s['write_before_commit']}")
+            f"written before committed (pooled depths): {s['write_before_commit']}"
+            + (f"\n{_paired_cell(s)}" if "write_before_commit_paired" in s else ""))
+
+
+def _paired_cell(s: dict[str, Any]) -> str:
+    c = s["write_before_commit_paired"]
+    t = c["cluster_t"]
+    return (f"commit - write, paired per instance ({c['over']}, n {c['difference']['n']}, "
+            f"{c['difference']['n_clusters']} scenarios; {c['n_never_written']} never written): "
+            f"{ci_cell(c['difference'], 2, signed=True)} (write {ci_cell(c['control'])}, commit {ci_cell(c['effect'])}"
+            + (f"; scenario-mean t p {t['p']:.2g}" if t.get("p") is not None else "") + ")")
 
 
 def headline(s: dict[str, Any]) -> str:
@@ -98,7 +142,8 @@ def headline(s: dict[str, Any]) -> str:
     accs = [a for a in s["write_probe"]["acc"] if a is not None]
     write = (f"never reaches {s['decodable_at']} (peak {max(accs):.2f})" if s["write_depth"] is None
              else f"{s['write_depth']:.2f}")
-    return (f"write depth {write}; commit depth {ci_cell(s['commit']['commit_depth'][w])}"
+    return ((f"{_paired_cell(s)}; " if "write_before_commit_paired" in s else "")
+            + f"pooled write depth {write}; commit depth {ci_cell(s['commit']['commit_depth'][w])}"
             + ("" if w == "gated" else " (all instances: none gated)"))
 
 

@@ -32,6 +32,7 @@ from kvprobe.kv.readout import prefill, read_logits
 from kvprobe.metrics import decision_agreement, logit_cosine
 from kvprobe.claims import KVPROBE_RATE_BOUND, Claim, near
 from kvprobe.runner.experiment import Context, Experiment
+from kvprobe.probes.controls import paired_contrast
 from kvprobe.probes.summary import ci_cell, summarize_column
 from kvprobe.tasks.gated import segment_prompt
 
@@ -131,9 +132,24 @@ def agreement_by_direction(rows: list[dict[str, Any]], variant: str) -> dict[str
     return out
 
 
+def rotation_contrasts(rows: list[dict[str, Any]], seed: int = 0) -> dict[str, Any]:
+    """Re-rotated minus unrotated, paired per instance, for every chunk spliced both ways (the skill: seam0
+    vs no_rotation; the other chunks: <name>_seam0 vs <name>_no_rotation): decision agreement and logit cosine
+    with full recompute. The control (no rotation) must be able to win: agreement alone does not measure the
+    re-rotation when an unrotated splice decides the same (a constant-answer model)."""
+    pairs = {"policy": ("seam0", "no_rotation")}
+    pairs.update({k.removesuffix("_no_rotation_cosine"): (k.removesuffix("_no_rotation_cosine") + "_seam0",
+                                                         k.removesuffix("_cosine"))
+                  for k in rows[0] if k.endswith("_no_rotation_cosine") and k != "no_rotation_cosine"})
+    return {chunk: {m: paired_contrast(rows, [r[f"{a}_{m}"] for r in rows], [r[f"{b}_{m}"] for r in rows], seed)
+                    for m in ("agree", "cosine")}
+            for chunk, (a, b) in pairs.items() if f"{a}_cosine" in rows[0]}
+
+
 def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
     variants = [k.removesuffix("_cosine") for k in rows[0] if k.endswith("_cosine")]
     return {
+        "rotated_minus_unrotated": rotation_contrasts(rows, ctx.cfg.seed),
         "gate": ctx.scratch.get("gate"),
         "n_instances": len(rows),
         "full_accuracy": sum(r["full_correct"] for r in rows) / len(rows),
@@ -156,7 +172,17 @@ def table(summary: dict[str, Any]) -> str:
         lines.append(f"  seam0 agreement, {d}: {a['k']}/{a['n']} {ci_cell(a, 2)}")
     if "fisher_p" in seam0:
         lines.append(f"  equal agreement in both directions: Fisher exact p {seam0['fisher_p']:.2g}")
+    for chunk, c in summary.get("rotated_minus_unrotated", {}).items():
+        lines.append(f"rotated - unrotated ({chunk}, paired): {_contrast_cell(c)}")
     return "\n".join(lines)
+
+
+def _contrast_cell(c: dict[str, Any]) -> str:
+    a, cos = c["agree"], c["cosine"]
+    mc = a.get("mcnemar")
+    return (f"agreement {ci_cell(a['difference'], 2, signed=True)} ({a['effect']['mean']:.2f} vs "
+            f"{a['control']['mean']:.2f}" + (f"; McNemar {mc['effect_only']} vs {mc['control_only']}, p {mc['p']:.2g}"
+                                             if mc else "") + f"), cosine {ci_cell(cos['difference'], 4, signed=True)}")
 
 
 def headline(s: dict[str, Any]) -> str:
@@ -172,6 +198,9 @@ def headline(s: dict[str, Any]) -> str:
     if by:
         cells.insert(1, "seam0 agree by direction " + ", ".join(f"{d} {a['k']}/{a['n']}" for d, a in by.items())
                      + (f" (Fisher p {v['seam0']['fisher_p']:.2g})" if "fisher_p" in v["seam0"] else ""))
+    rot = s.get("rotated_minus_unrotated", {}).get("policy")  # records written before the contrast have none
+    if rot:
+        cells.insert(0, f"rotated - unrotated (paired, n {rot['agree']['difference']['n']}): {_contrast_cell(rot)}")
     return "; ".join(cells) + f"; full-recompute accuracy {s['full_accuracy']:.2f}"
 
 
@@ -205,4 +234,13 @@ EXPERIMENT = Experiment(name="transplant", doc=__doc__, needs_template=True, par
                                      "agreement difference ~ 0)", "decisions preserved for N = 1-4 concurrent skills; "
                                      "+-0.1 is kvprobe's margin", "blocks4_agree", 0.0, 0.0, b="seam0_agree",
                                      gated=False, role="effect", location="Sec. 5",
-                                     paper_n="not stated (released composable_multi records)")))
+                                     paper_n="not stated (released composable_multi records)"),
+                                # role: effect. The paper's claim that the re-rotation is needed, as a paired
+                                # contrast with its control: rotated minus unrotated on one instance (Fig. 9b).
+                                      Claim("rotation_agreement_gain", "the re-rotated skill decides as full recompute more "
+                                      "often than the unrotated one (paired)", "late agreement 0.78 rotated vs 0.18 "
+                                      "unrotated (Sec. 5, Fig. 9b)", "greater", "seam0_agree", "no_rotation_agree",
+                                      paper_value=0.60, gated=False, role="control", location="Sec. 5, Fig. 6b"),
+                                      Claim("rotation_cosine_gain", "the re-rotated skill's logits are closer to full "
+                                      "recompute than the unrotated one's (paired)", "no-rotation collapses (Fig. 9b)",
+                                      "greater", "seam0_cosine", "no_rotation_cosine", gated=False, role="control", location="Sec. 5, Fig. 6b")))

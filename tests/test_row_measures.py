@@ -14,11 +14,12 @@ from kvprobe.runner.experiment import get_experiment
 CASES = {
     "directions": ("held_out_site", ["params.layers=[1,2]", "params.das.layers=[2]", "params.das.steps=3",
                                      "params.fit_on=all", "params.n_random=1", "params.alphas=[0.0,1.0]"],
-                   {"full", "dom", "random", "das"}),
+                   {"full", "dom", "random", "span", "shuffled", "das"}),
     "sae": ("held_out_clamp", ["params.layer=1", "params.sites=[resid]", "params.width=16", "params.k=2",
                                "params.steps=5", "params.batch=32", "params.n_task_prompts=1",
-                               "params.n_neutral_tokens=128", "params.clamp_k=[1,10]", "params.n_random=1"],
-            {"top1", "random1", "top10", "random10"}),
+                               "params.n_neutral_tokens=128", "params.clamp_k=[1,10]", "params.n_random=1",
+                               "params.n_dead_tokens=512", "params.n_task_eval_pairs=1"],
+            {"top1", "random1", "matched1", "top10", "random10", "matched10"}),
 }
 
 

@@ -55,6 +55,15 @@ def random_direction(dim: int, seed: Sequence[int]) -> torch.Tensor:
     return unit(torch.as_tensor(rng.standard_normal(dim), dtype=torch.float32))
 
 
+def span_direction(examples: Sequence["Example"], seed: Sequence[int]) -> torch.Tensor:
+    """A random unit direction in the span of the examples' source - base differences at the notes (Gaussian
+    weights on the difference rows): a control that lives where the interventions move the site, unlike a
+    random direction of the whole space, which catches ~1/d of any difference by geometry alone."""
+    diffs = torch.cat([(ex.source_acts - ex.base_acts).reshape(-1, ex.base_acts.shape[-1]) for ex in examples])
+    w = torch.as_tensor(np.random.default_rng(list(seed)).standard_normal(diffs.shape[0]), dtype=torch.float64)
+    return unit(w @ diffs.double()).float()
+
+
 def subspace_cosine(basis: torch.Tensor, direction: torch.Tensor) -> float:
     """|cos| between ``direction`` and the subspace of ``basis`` rows: the norm of its projection there."""
     return float((basis.double() @ unit(direction.double())).norm())

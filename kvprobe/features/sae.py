@@ -253,6 +253,61 @@ def reconstruction(lm: HookableModel, sae: Any, site: str, layer: int, sequences
             "delta_ce": spliced - clean, "ce_zero_ablated": zeroed}
 
 
+class _Stop(Exception):
+    """Raised by a hook once the site's activations are read: the layers above are not needed."""
+
+
+@torch.no_grad()
+def count_alive(lm: Any, sae: Any, site: str, layer: int, sequences: Sequence[Sequence[int]], skip_first: int = 0,
+                batch: int = 8) -> dict[str, Any]:
+    """Features that fire at least once over the sequences' tokens (the first ``skip_first`` of each left out),
+    streamed in batches of equal-length sequences (nothing kept but the running mask); the forward pass stops
+    at the site's layer."""
+    alive = torch.zeros(int(sae.cfg.d_sae), dtype=torch.bool)
+    device = next(lm.model.parameters()).device
+    got: dict[str, torch.Tensor] = {}
+
+    def keep(act: torch.Tensor) -> None:
+        got["a"] = act.detach().float().cpu()
+        raise _Stop
+
+    n = 0
+    with on_site(lm, site, layer, keep):
+        for i in range(0, len(sequences), batch):
+            chunk = [list(x) for x in sequences[i:i + batch]]
+            groups: dict[int, list[list[int]]] = {}
+            for ids in chunk:
+                groups.setdefault(len(ids), []).append(ids)
+            for ids in groups.values():
+                try:
+                    lm.model(input_ids=torch.as_tensor(ids, device=device), use_cache=False)
+                except _Stop:
+                    pass
+                a = got.pop("a")[:, skip_first:].reshape(-1, site_dim(lm, site))
+                alive |= (encode(sae, a) > 0).any(0)
+                n += a.shape[0]
+    return {"n_tokens": n, "dead_features": int((~alive).sum()), "dead_fraction": float((~alive).float().mean())}
+
+
+@torch.no_grad()
+def norm_matched_clamp(sae: Any, acts: torch.Tensor, features: Sequence[int], targets: torch.Tensor,
+                       norms: torch.Tensor, seed: Sequence[int]) -> torch.Tensor:
+    """``acts [n, d]`` moved along the listed features' decoder directions by exactly ``norms [n]`` (L2, per
+    row): each feature's activation changes by the same amount, signed toward its ``targets`` (a random sign
+    where it already sits there), and the amount is set so the decoded change has the given norm. The control
+    of a top-k clamp: other features, the same perturbation size (a plain clamp of unrelated features to a
+    conclusion mean barely moves them)."""
+    idx = torch.as_tensor(list(features), dtype=torch.long)
+    z = encode(sae, acts)[:, idx]
+    sign = torch.sign(targets.to(z.dtype)[None, :] - z)
+    rnd = torch.as_tensor(np.random.default_rng(list(seed)).choice([-1.0, 1.0], size=tuple(sign.shape)),
+                          dtype=sign.dtype)
+    sign = torch.where(sign == 0, rnd, sign)
+    direction = sign @ sae.W_dec[idx].float()  # [n, d]
+    scale = norms.to(direction.dtype) / direction.norm(dim=-1).clamp_min(1e-12)
+    return acts + (direction * scale[:, None]).to(device=acts.device, dtype=acts.dtype)
+
+
 def feature_aucs(feats: torch.Tensor, labels: Sequence[int]) -> np.ndarray:
     """ROC AUC of each feature column of ``feats [n, width]`` for binary ``labels`` (NaN where a feature is
     constant over the samples); sklearn's ``roc_auc_score``."""
