@@ -2,8 +2,8 @@
 (``recipe.init_from``), down to its pretrained base (``base_model``).
 
 Successive fine-tunes of one lineage share most of their training, so agreement between them is stability,
-not an independent replicate. Cards are found wherever organisms live: the package's
-``kvprobe/organism/organisms/<alias>/card.json`` or a top-level ``organisms/<alias>/card.json``.
+not an independent replicate. Cards are read from the organism registry's folder (``organisms/<alias>/card.json``,
+:data:`kvprobe.organism.registry.ORGANISMS_DIR`).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ _PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 
 
 def card_dirs() -> list[Path]:
-    """Folders that may hold organism cards: the models registry's, the package's and a top-level one."""
-    from kvprobe.models.registry import ORGANISMS_DIR
+    """Folders that may hold organism cards: the organism registry's (a checkout's ``organisms/``)."""
+    from kvprobe.organism.registry import ORGANISMS_DIR
 
-    roots = [Path(ORGANISMS_DIR), _PACKAGE_ROOT / "organism" / "organisms", _PACKAGE_ROOT.parent / "organisms"]
+    roots = [Path(ORGANISMS_DIR), _PACKAGE_ROOT.parent / "organisms"]
     seen: list[Path] = []
     for root in roots:
         if root.is_dir() and root.resolve() not in seen:
