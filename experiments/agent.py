@@ -125,5 +125,5 @@ EXPERIMENT = Experiment(
     claims=(
         Claim("agent_agreement", "the unified agent decides as full recompute every turn",
               "0.81-1.00 (Fig. 7b)", "at_least", "all_agree", paper_value=0.96, bound=1 - ACCURACY_MARGIN,
-              gated=False, role="effect", location="Sec. 6, Fig. 7b, Fig. 12", paper_n="300 decisions per model (10 domains x 10 instances x 3)"),  # role: effect
+              gated=False, role="effect", location="Sec. 6, Fig. 7b, Fig. 12", paper_n="300 decisions per model (10 domains x 10 instances x 3)"),
     ))

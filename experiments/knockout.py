@@ -150,7 +150,7 @@ EXPERIMENT = Experiment(name="knockout", doc=__doc__, params=Params, run_instanc
                                       "stale more than 8 random", "returns to stale (prose, no number; the released "
                                       "records run the other direction)", "greater", "knockout_top.8",
                                       "knockout_random.8", role="control", location="Sec. 3 (4)"),
-                                # role: control (cross-fitted: the knocked-out top-8 is ranked on the other
+                                # a discriminating control (cross-fitted: the knocked-out top-8 is ranked on the other
                                 # scenario fold, so it cannot win by selection on the scored instance).
                                 Claim("crossfit_knockout_top8_vs_rand8", "knocking out the top-8 ranked on the "
                                       "other scenario fold moves the decision toward stale more than 8 random",

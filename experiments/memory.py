@@ -213,17 +213,17 @@ EXPERIMENT = Experiment(
     claims=(
         Claim("memory_transplant_agreement", "late memory transplant (1 seam token) decides as full recompute",
               "0.93-1.00 (Fig. 9a)", "at_least", "seam1_agree", paper_value=1.0, bound=1 - ACCURACY_MARGIN,
-              gated=False, role="effect", location="Sec. 7 (E2-E4), Figs. 8-10", paper_n="not stated in the text"),  # role: effect
+              gated=False, role="effect", location="Sec. 7 (E2-E4), Figs. 8-10", paper_n="not stated in the text"),
         Claim("memory_no_rotation_control", "the rotated memory agrees with full recompute more than the unrotated",
               "0.78 vs 0.18 (Fig. 9b)", "greater", "seam1_agree", "no_rotation_agree", paper_value=0.6,
-              gated=False, role="control", location="Sec. 7 (E2-E4), Figs. 8-10"),  # role: control
+              gated=False, role="control", location="Sec. 7 (E2-E4), Figs. 8-10"),
         Claim("memory_blocks8_agreement", "memory in 8 independently precompiled blocks decides as full recompute",
               "flat at 1.00 to S=16 (Fig. 24)", "at_least", "blocks8_agree", paper_value=1.0,
-              bound=1 - ACCURACY_MARGIN, gated=False, role="effect", location="Sec. 7 (E2-E4), Figs. 8-10", paper_n="not stated in the text"),  # role: effect
+              bound=1 - ACCURACY_MARGIN, gated=False, role="effect", location="Sec. 7 (E2-E4), Figs. 8-10", paper_n="not stated in the text"),
         Claim("memory_erratum_vs_in_place", "erratum beats in_place on a toggled stored fact",
               "McNemar p=0.031 (Llama-3.1-8B, Fig. 10)", "greater", "edit.erratum.correct", "edit.in_place.correct",
-              paper_value=0.3, gated=False, role="effect", location="Sec. 7 (E2-E4), Figs. 8-10", paper_n="not stated in the text"),  # role: effect
+              paper_value=0.3, gated=False, role="effect", location="Sec. 7 (E2-E4), Figs. 8-10", paper_n="not stated in the text"),
         Claim("memory_irrelevant_toggle", "toggling an irrelevant setting keeps the full-recompute decision",
               "negative control (Sec. 7)", "at_least", "edit.irrelevant_toggle_kept", paper_value=1.0,
-              bound=1 - ACCURACY_MARGIN, gated=False, role="control", location="Sec. 7 (E2-E4), Figs. 8-10"),  # role: control
+              bound=1 - ACCURACY_MARGIN, gated=False, role="control", location="Sec. 7 (E2-E4), Figs. 8-10"),
     ))

@@ -111,7 +111,7 @@ EXPERIMENT = Experiment(name="specificity", doc=__doc__, params=Params, run_inst
                                       "0.92/0.86/0.86 vs 0.06/0.04/0.04 (Qwen3-8B/4B, Llama-3.1-8B)", "greater",
                                       "top16", "rand16", paper_value=0.83, role="control",
                                       location="App. C (iii), Tab. 4 (right)", paper_n="9 per model"),
-                                # role: effect (cross-fitted: ranked on the other scenario fold, so the top-k
+                                # a discriminating control (cross-fitted: ranked on the other scenario fold, so the top-k
                                 # cannot win by selection on the instance it is scored on).
                                       Claim("crossfit_top8_vs_rand8", "top-8 positions ranked on the other scenario fold "
                                       "beat random-8 (paired)", "0.74-0.79 vs <= 0.035 (Tab. 4; in-sample ranking)",

@@ -235,7 +235,7 @@ EXPERIMENT = Experiment(name="transplant", doc=__doc__, needs_template=True, par
                                      "+-0.1 is kvprobe's margin", "blocks4_agree", 0.0, 0.0, b="seam0_agree",
                                      gated=False, role="effect", location="Sec. 5",
                                      paper_n="not stated (released composable_multi records)"),
-                                # role: effect. The paper's claim that the re-rotation is needed, as a paired
+                                # The paper's claim that the re-rotation is needed, as a paired
                                 # contrast with its control: rotated minus unrotated on one instance (Fig. 9b).
                                       Claim("rotation_agreement_gain", "the re-rotated skill decides as full recompute more "
                                       "often than the unrotated one (paired)", "late agreement 0.78 rotated vs 0.18 "
