@@ -724,6 +724,14 @@ def expanded_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
         row = {**declarations.get(cid, {}), **slim, "experiment": experiment,
                "key": rest.split("@")[0].split("[")[0]}
         row.setdefault("template", "gated")
+        row.setdefault("test", None)
+        ours = row.get("ours") or {}
+        row.setdefault("n", ours.get("n", 0))
+        row.setdefault("n_clusters", ours.get("n_clusters", 0))
+        row.setdefault("lineage_root", (doc.get("lineages", {}).get(slim["model"]) or {}).get("root", slim["model"]))
+        kind = row.get("kind")
+        row.setdefault("status", kind if kind in ("identity", "describe") else
+                       "tested" if row.get("p") is not None else "untested")
         if slim.get("record"):
             row["record"] = f"results/{experiment}/{slim['model']}/{slim['record']}.json"
         out.append(row)
