@@ -127,7 +127,11 @@ def study_models(study_path: str | Path | None = None) -> list[str]:
 
 
 def is_published(model: str, config_hash: str, study_path: str | Path | None = None) -> bool:
-    """Whether the run of ``model`` whose record hash is ``config_hash`` is one the study publishes."""
+    """Whether the run of ``model`` whose record hash is ``config_hash`` is one the study publishes. An installed
+    kvprobe outside a checkout has no study file: then nothing is published (every run is scratch unless
+    ``--publish`` or ``--output-dir``)."""
+    if study_path is None and not _study_file().exists():
+        return False
     return any(r.model == model and r.config_hash == config_hash for r in published_runs(study_path))
 
 

@@ -121,7 +121,8 @@ def test_auto_dtype_and_device_load_a_config_dir(tmp_path):
 
 
 _SAE = ["params.layer=1", "params.sites=[v]", "params.width=16", "params.k=2", "params.steps=5", "params.batch=32",
-        "params.n_task_prompts=1", "params.n_neutral_tokens=128", "params.eval_families=[orders]"]
+        "params.n_task_prompts=1", "params.n_neutral_tokens=128", "params.n_dead_tokens=2048",
+        "params.eval_families=[orders]"]
 # fit_on=all: a random model flips no pair, and the fit (DAS included) must run
 _DIRECTIONS = ["params.layers=[1,2]", "params.das.layers=[2]", "params.eval_families=[orders]", "params.das.steps=3",
                "params.fit_on=all", "task.n_instances=8"]

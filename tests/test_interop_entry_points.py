@@ -10,8 +10,8 @@ import copy
 
 import pytest
 
-from kvprobe.kv import edit
-from kvprobe.kv.compose import Live, Spliced, assemble, precompile
+from kvprobe import edit  # the public edits: a wrapper is converted at this boundary
+from kvprobe.compose import Live, Spliced, assemble, precompile  # the public compose functions
 from kvprobe.models.loading import load_model
 from kvprobe.probes import Case
 from kvprobe.probes.sweep import KV, sweep

@@ -7,7 +7,7 @@ import torch
 import transformers as tf
 
 from kvprobe.errors import KVProbeError
-from kvprobe.kv import prefill, read_logits
+from kvprobe import prefill, read_logits  # the public functions: a bare transformers model is converted there
 from kvprobe.kv.gate import run_gate
 from kvprobe.kv.rope import rerotate, rope_layer_info, rotate_keys, shift
 from kvprobe.models.tiny import _COMMON, tiny_config, write_config_dir

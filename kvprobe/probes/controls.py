@@ -151,10 +151,9 @@ def keep_ranking(ctx: Any, inst: Any, case: Any, ranking: Any, descending: bool 
 
 
 def _instance(ctx: Any, index: int) -> Any:
-    from kvprobe.runner.experiment import default_instances
-
+    """The run's instance ``index`` (the runner puts the run's instances on the context; probes never import it)."""
     if "all_instances_by_index" not in ctx.scratch:
-        ctx.scratch["all_instances_by_index"] = {i.index: i for i in default_instances(ctx)}
+        ctx.scratch["all_instances_by_index"] = {i.index: i for i in ctx.instances}
     return ctx.scratch["all_instances_by_index"][index]
 
 

@@ -45,6 +45,7 @@ class Context:
     lm: HookableModel
     template: Any = None
     scratch: dict[str, Any] = field(default_factory=dict)  # per-run state set by setup()
+    instances: list[Any] = field(default_factory=list)  # the run's instances, once built (summaries may revisit them)
 
 
 @dataclass(frozen=True)
@@ -224,6 +225,7 @@ def _run_experiment(cfg: RunConfig, overwrite: bool, fresh: bool, lm: ModelLike 
     torch.manual_seed(cfg.seed)
     ctx = Context(cfg=cfg, params=params, lm=lm)
     instances = (exp.make_instances or default_instances)(ctx)
+    ctx.instances = instances
     run["n_instances"] = len(instances)
     if exp.setup is not None:
         exp.setup(ctx)

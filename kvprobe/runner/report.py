@@ -34,9 +34,12 @@ def latest_records(results_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def _organism_for(model: str) -> str | None:
-    """The study's organism of ``model``'s family (the one that gates where its base model does not)."""
-    from kvprobe.study import load_study
+    """The study's organism of ``model``'s family (the one that gates where its base model does not); None
+    without a study file (an installed kvprobe outside a checkout)."""
+    from kvprobe.study import _study_file, load_study
 
+    if not _study_file().exists():
+        return None
     models = load_study().models
     family = models[model].family if model in models else next(
         (e.family for name, e in models.items() if model.startswith(name)), None)
