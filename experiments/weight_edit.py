@@ -40,6 +40,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvprobe.backends import HookableModel
 from kvprobe.claims import ACCURACY_MARGIN, Claim
 from kvprobe.edits import lora, rome
 from kvprobe.edits.weights import weights_checksum
@@ -113,7 +114,7 @@ def make_instances(ctx: Context) -> list[Any]:
     return pool[: ctx.cfg.task.n_instances]
 
 
-def _decision(lm: Any, inst: Any) -> dict[str, Any]:
+def _decision(lm: HookableModel, inst: Any) -> dict[str, Any]:
     """The request at its old value: logit difference (old action minus new action) and its decision."""
     pair = tokenize_pair(lm.tokenizer, inst, lm.has_chat_template)
     _, logits = prefill(lm, pair.ids_old, return_logits=True)
@@ -121,7 +122,7 @@ def _decision(lm: Any, inst: Any) -> dict[str, Any]:
     return {"ld_old_minus_new": ld, "old_action": ld > 0}
 
 
-def _batteries(lm: Any, ctx: Context) -> dict[str, list[dict[str, Any]]]:
+def _batteries(lm: HookableModel, ctx: Context) -> dict[str, list[dict[str, Any]]]:
     return {name: [_decision(lm, inst) for inst in ctx.scratch[name]] for name in ("heldout", "collateral")}
 
 
