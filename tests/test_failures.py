@@ -256,3 +256,20 @@ def test_run_checks_the_tree_before_computing_and_records_allow_dirty(tiny_text_
     assert main(_run_args(tiny_text_dir, out, 2, "--allow-dirty")) == 0
     record = json.loads(next(out.rglob("*.json")).read_text())
     assert record["git"]["allow_dirty"] is True and seen[-1] == next(out.rglob("*.json"))
+
+
+def test_quiet_silences_the_gguf_dequantization_bar(capfd):
+    """transformers' GGUF loader draws a bare tqdm bar (outside its own progress-bar switch) on a first load."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    from kvprobe.runner.cli import quiet_libraries
+
+    def dequantize():
+        for _ in gguf_utils.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."):
+            pass
+
+    with quiet_libraries(True):
+        dequantize()
+    assert "de-quantizing" not in capfd.readouterr().err
+    dequantize()  # restored on exit
+    assert "de-quantizing" in capfd.readouterr().err

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import importlib
 import logging
 import os
 import sys
@@ -29,11 +31,16 @@ def quiet_libraries(enabled: bool = True) -> Iterator[None]:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     hub_utils.disable_progress_bars()
+    # transformers' GGUF dequantization bar is a bare tqdm, outside its progress-bar switch
+    gguf_utils = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
+    gguf_bar = gguf_utils.tqdm
+    gguf_utils.tqdm = functools.partial(gguf_bar, disable=True)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
+        gguf_utils.tqdm = gguf_bar
         hf_logging.set_verbosity(verbosity)
         if bars_on:
             hf_logging.enable_progress_bar()
