@@ -381,9 +381,9 @@ EXPERIMENT = Experiment(name="sae", doc=__doc__, params=Params, run_instance=run
                                  "1.00 (Llama-3.1-8B L14, polarity task); +-0.1 is kvprobe's margin",
                                  "held_out_clamp.top1", 0.0, 0.0, template=stem, role="effect",
                                  location="App. D (3)", paper_n="3 scenarios (released records)"),
-                            # role: control comparison. The top-10 clamp against 10 random live features moved by
-                            # the same L2 perturbation at each note (a control that can win).
-                                 Claim("clamp_top10_vs_norm_matched", "clamping the top-10 conclusion features recovers "
+                            # a control that can win: 10 random live features moved by the same L2 perturbation
+                            # at each note as the top-10 clamp
+                            Claim("clamp_top10_vs_norm_matched", "clamping the top-10 conclusion features recovers "
                                   "more than 10 random live features moved by the same L2 perturbation (held-out "
                                   "pairs, paired)", "0.50 vs ~0 (App. D (3); the paper's random clamp is not "
                                   "norm-matched)", "greater", "held_out_clamp.top10", "held_out_clamp.matched10",
