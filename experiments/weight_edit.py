@@ -240,11 +240,17 @@ def table(s: dict[str, Any]) -> str:
              f"{s['covariance']['seconds']:.2f} s, layer {s['covariance']['layer']}",
              f"{'method':<15}{'efficacy':<22}{'contamination':<24}{'collateral':<24}{'x erratum':>10}"
              f"{'rollback s':>11}  exact"]
+    no_interval = False
     for name, m in s["methods"].items():
         tag = " (identity)" if m["identity"] else ""
-        lines.append(f"{name:<15}{ci_cell(m['efficacy']):<22}{ci_cell(m['contamination']) + tag:<24}"
-                     f"{ci_cell(m['collateral']) + tag:<24}{m['latency_x_erratum_median']:>10.2f}"
+        cells = [ci_cell(m[k]) for k in ("contamination", "collateral")]
+        no_interval |= any("(no CI" in c for c in cells)
+        cont, coll = (c.split(" (no CI", 1)[0] + ("*" if "(no CI" in c else "") for c in cells)
+        lines.append(f"{name:<15}{ci_cell(m['efficacy']):<22}{cont + tag:<24}"
+                     f"{coll + tag:<24}{m['latency_x_erratum_median']:>10.2f}"
                      f"{m['rollback_s_median']:>11.4f}  {m['rollback_exact']}")
+    if no_interval:  # the targets share one scenario: a scenario-cluster interval needs several
+        lines.append("* no interval: every target is the same scenario (one cluster)")
     return "\n".join(lines)
 
 
