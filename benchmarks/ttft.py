@@ -15,7 +15,7 @@ new positions, and the suffix over the composed cache.
   ``seq_add`` (the engine re-rotates the keys), ``seq_cp`` into the request and one seam token
   (``LlamaCppEngine.transplant``); full prefill is ``full_reprefill``.
 
-Each time is the median of ``--repeats``. The growth exponent is the least-squares slope of log time against
+Each time is the median of ``--repeats`` (``--full-repeats`` for full prefills). The growth exponent is the least-squares slope of log time against
 log L over the lengths run (1 = linear, 2 = quadratic): what was measured, not what was expected.
 
     make bench-ttft [MODEL=smollm2-135m] [ARGS="--lengths 1000 2000 4000 8000 --threads 1"]
@@ -82,13 +82,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--lengths", type=int, nargs="+", default=[1000, 2000, 4000, 8000])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="repeats of each transplant (median)")
+    ap.add_argument("--full-repeats", type=int, help="repeats of each full prefill (default: --repeats)")
     ap.add_argument("--block-tokens", type=int, default=256, help="positions per stored block")
     ap.add_argument("--engine", action=argparse.BooleanOptionalAction, default=True,
                     help="also through llama.cpp (needs kvprobe[engine] and a GGUF alias)")
     ap.add_argument("--threads", type=int, default=1, help="llama.cpp threads (torch follows OMP_NUM_THREADS)")
     ap.add_argument("--out-dir", default="results/bench", help="where the text output and JSON record go")
     args = ap.parse_args()
+    full_repeats = args.full_repeats or args.repeats
     out = BenchOutput("ttft", args.model)
     lm = load_model(args.model, device="cpu", dtype="float32")
     tok = lm.tokenizer
@@ -107,7 +109,8 @@ def main() -> None:
         engine = LlamaCppEngine(gguf_path(args.model), n_ctx=n_ctx, n_threads=args.threads)
     root = Path(tempfile.mkdtemp(prefix="kvprobe-ttft-"))
     store = BlockStore(root / "store")
-    out.print(f"{args.model}: head {len(head)} tokens, suffix {len(suffix)} tokens, median of {args.repeats}; "
+    out.print(f"{args.model}: head {len(head)} tokens, suffix {len(suffix)} tokens; median of {args.repeats} "
+              f"(transplants) and {full_repeats} (full prefills); "
               f"transformers fp32 on CPU (torch threads {torch.get_num_threads()})"
               + (f"; llama.cpp {engine.__class__.__name__} on the GGUF ({args.threads} thread(s), f32 cache)"
                  if engine else "; llama.cpp not run (--no-engine)"))
@@ -128,7 +131,7 @@ def main() -> None:
                 store.demote(b)  # the disk tier holds the chunk (its one demotion); RAM copies come back on use
             full_ids = head + chunk + suffix
             t_full, full = _median_time(lambda: read_logits(lm, prefill(lm, full_ids[:-1]), suffix[-1:]),
-                                        args.repeats)
+                                        full_repeats)
             fetch: list[float] = []
 
             def transplant():
@@ -155,7 +158,7 @@ def main() -> None:
             if engine:
                 engine.clear()
                 seq = engine.precompile(chunk)  # paid once per skill
-                e_full_t, e_full = _median_time(lambda: engine.full_reprefill(full_ids), args.repeats)
+                e_full_t, e_full = _median_time(lambda: engine.full_reprefill(full_ids), full_repeats)
                 e_tr_t, e_tr = _median_time(lambda: engine.transplant(head, seq, len(chunk), chunk[0], suffix),
                                             args.repeats)
                 row |= {"engine_full_s": e_full_t, "engine_transplant_s": e_tr_t,
@@ -178,6 +181,7 @@ def main() -> None:
         out.print(f"  {label:<26} {ts[-1] / ts[0]:>6.1f}x   k = {growth[key]:.2f}")
     out.print(f"\ntotal {time.perf_counter() - out.t0:.0f} s")
     js, txt = out.write({"head_tokens": len(head), "suffix_tokens": len(suffix), "repeats": args.repeats,
+                         "full_repeats": full_repeats,
                          "block_tokens": args.block_tokens, "engine_threads": args.threads if engine else None,
                          "torch_threads": torch.get_num_threads(), "rows": rows, "growth_exponent": growth},
                         args.out_dir)
