@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
 import threading
 import time
 
@@ -135,6 +136,8 @@ def main() -> None:
                 cell = run_cell(target, prompts[arm][k * n_req:(k + 1) * n_req], rate, args.max_tokens,
                                 args.cell_seconds, args.seed + k)
                 cells.append({"arm": arm, **cell})
+                print(f"  [{prefix_tokens} tok] {arm} {_label(rate)}: {cell['done']}/{cell['sent']} done, "
+                      f"{time.perf_counter() - out.t0:.0f} s", file=sys.stderr, flush=True)  # progress only
         by = {(c["arm"], c["rate"]): c for c in cells}
         out.print(f"{'load':>12}{'arm':>16}{'done/sent':>11}{'TTFT p50 s':>12}{'TTFT p90 s':>12}{'TPOT s':>9}"
                   f"{'req/s':>8}{'reused/prompt tok':>20}{'hit rate':>10}")

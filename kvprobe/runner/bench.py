@@ -27,6 +27,7 @@ class BenchOutput:
         self.lines: list[str] = []
         self.t0 = time.perf_counter()
         self.command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+        self.git = git_commit(allow_dirty=True)  # the code that runs: taken at the start, not when it ends
 
     def print(self, line: str = "") -> None:
         print(line, flush=True)
@@ -34,7 +35,7 @@ class BenchOutput:
 
     def write(self, data: dict[str, Any], out_dir: str | Path) -> tuple[Path, Path]:
         """The JSON record (``data`` plus provenance) and the text printed so far, side by side."""
-        git = git_commit(allow_dirty=True)
+        git = self.git
         record = {"benchmark": self.name, "model": self.model, "command": self.command, "git": git,
                   "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                   "wall_s": time.perf_counter() - self.t0, "packages": package_versions(), **data}
