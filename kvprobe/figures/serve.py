@@ -43,9 +43,10 @@ def fig14a_serve(records: list[dict[str, Any]], path: Path) -> None:
             ax_t.plot(xs, get("ttft_p50"), "o-", color=color, label=f"{label} p50")
             ax_t.plot(xs, get("ttft_p90"), "s--", color=color, alpha=0.7, label=f"{label} p90")
             ax_x.plot(xs, get("throughput_rps"), "o-", color=color, label=label)
-            done = [c for c in cells if c and c["hit_rate"] is not None and c["prompt_tokens"]]
-            reused = sum(_num(c["reused_tokens"]) for c in done)
-            hits[arm] = reused / sum(c["prompt_tokens"] for c in done) if done else float("nan")
+            done = [c for c in cells if c and c["hit_rate"] is not None]
+            # tokens the server looked up: its own query counter when it exports one, else the prompts
+            asked = sum(_num(c.get("queried_tokens") or c["prompt_tokens"]) for c in done)
+            hits[arm] = sum(_num(c["reused_tokens"]) for c in done) / asked if asked else float("nan")
         n_req = size.get("requests_per_cell")
         title = (f"{rec['model']}, prefix {size['prefix_tokens']} tokens "
                  f"({n_req} requests per arm and load)")
