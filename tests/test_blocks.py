@@ -251,3 +251,21 @@ def test_concurrent_policy_writers_are_atomic_per_record(tmp_path):
     assert store.ledger.metadata["update_policy"] == writers * n * 4 * 16  # 3 blocks, one of them in 2 tiers
     with pytest.raises(KVProbeError, match="unknown policy field"):
         store.update_policy(bids[0], colour=1)
+
+
+def test_tokenizer_hash_is_cached_per_tokenizer_and_follows_a_changed_vocabulary():
+    from kvprobe.kv.blocks import tokenizer_hash
+
+    class Tok:
+        def __init__(self):
+            self.vocab, self.calls = {f"t{i}": i for i in range(100)}, 0
+
+        def get_vocab(self):
+            self.calls += 1
+            return dict(self.vocab)
+
+    tok, other = Tok(), Tok()
+    first = tokenizer_hash(tok)
+    assert tokenizer_hash(tok) == first == tokenizer_hash(other)  # same vocabulary, same hash
+    tok.vocab["added"] = 100  # a token added to the same object: a new hash, not the cached one
+    assert tokenizer_hash(tok) != first

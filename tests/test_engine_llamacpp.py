@@ -125,3 +125,50 @@ def test_server_streams_tokens_and_reports_the_engines_reuse(engine, ids):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def _bench(script, tmp_path, *args):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(repo / "benchmarks" / script), "--out-dir", str(tmp_path), *args],
+                          cwd=repo, capture_output=True, text=True, timeout=900,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_bench_serve_writes_a_record_with_the_engines_hit_rates(tmp_path):
+    """Both arms through the real server on a short policy prefix: the erratum reuses the cached prefix and
+    the in-prefix edit (field at the prefix's top) reuses almost nothing, by the engine's own counters."""
+    import json
+
+    stdout = _bench("serve.py", tmp_path, "--prefix-tokens", "300", "--rates", "50", "--requests", "2",
+                    "--max-tokens", "2", "--threads", "1", "--cell-seconds", "300")
+    rec = json.loads((tmp_path / "serve_smollm2-135m.json").read_text())
+    assert "ratios, same load" in stdout and (tmp_path / "serve_smollm2-135m.txt").exists()
+    (size,) = rec["sizes"]
+    assert size["prefix_tokens"] == 300 and size["policy_tokens"] == 300  # the real policy alone fills 300
+    cells = {(c["arm"], c["rate"]): c for c in size["cells"]}
+    assert set(cells) == {(a, r) for a in ("erratum", "in_prefix_edit") for r in (50.0, None)}
+    for c in cells.values():
+        assert c["done"] == c["sent"] == 2 and c["hit_source"] == "engine per-request counters"
+    assert all(cells[("erratum", r)]["hit_rate"] > 0.8 for r in (50.0, None))
+    assert all(cells[("in_prefix_edit", r)]["hit_rate"] < 0.1 for r in (50.0, None))
+
+
+def test_bench_ttft_runs_both_backends_and_the_store_tiers(tmp_path):
+    import json
+
+    _bench("ttft.py", tmp_path, "--lengths", "96", "192", "--repeats", "1", "--block-tokens", "64")
+    rec = json.loads((tmp_path / "ttft_smollm2-135m.json").read_text())
+    assert [r["chunk_tokens"] for r in rec["rows"]] == [96, 192]
+    for r in rec["rows"]:
+        assert r["blocks"] == -(-r["chunk_tokens"] // 64)
+        assert r["hf_cos"] > 0.99 and r["hf_cos_cold"] == pytest.approx(r["hf_cos"], abs=1e-6)  # same bytes
+        assert r["engine_cos"] > COS_VS_SELF and r["engine_transplant_decoded"] == rec["head_tokens"] + 1 + rec["suffix_tokens"]
+        assert r["hf_full_s"] > 0 and r["engine_full_s"] > 0
+    assert set(rec["growth_exponent"]) >= {"hf_full_s", "hf_warm_s", "hf_cold_s", "engine_full_s",
+                                           "engine_transplant_s"}

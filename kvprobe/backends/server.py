@@ -72,6 +72,8 @@ def make_server(engine: PrefixCachingEngine, host: str = "127.0.0.1", port: int 
             self.send_response(200)
             self.send_header("Content-Type", "application/x-ndjson")
             self.send_header("Transfer-Encoding", "chunked")
+            self.send_header("Connection", "close")  # one request per connection: the client may stop reading
+            self.close_connection = True  # at the final line, so never read a next request from it
             self.end_headers()
 
             def write(line: str) -> None:

@@ -75,12 +75,27 @@ from kvprobe.figures.agent import FIGURES as AGENT_FIGURES  # noqa: E402
 
 FIGURES.update(AGENT_FIGURES)  # Sec. 6: the unified edit+compose agent (7b)
 
+from kvprobe.figures.serve import BENCH_FIGURES  # noqa: E402
+
+# figure file stem -> (benchmark whose records it reads: results/bench/<name>_<model>.json, drawing function)
+BENCH: dict[str, tuple[str, Callable[[list[dict[str, Any]], Path], None]]] = dict(BENCH_FIGURES)  # Fig. 14a
+
+
+def bench_records(results_dir: str | Path, name: str) -> list[dict[str, Any]]:
+    """The committed records of one benchmark (``benchmarks/<name>.py`` writes ``<name>_<model>.json``)."""
+    import json
+
+    paths = sorted(Path(results_dir, "bench").glob(f"{name}_*.json"))
+    recs = [json.loads(p.read_text()) for p in paths]
+    return [r for r in recs if r.get("benchmark") == name]
+
 
 def render_all(results_dir: str | Path = "results", out_dir: str | Path = "figures") -> list[Path]:
     """Every figure from the records the study publishes (``study.yaml``), never from scratch or archive records:
     each figure gets the published records of its experiment, tagged with their task (``_task``). A folder with
     no published record at all (a scratch folder: ``kvprobe figures --results runs``) is drawn from all of its
-    records, the newest per (experiment, task, model)."""
+    records, the newest per (experiment, task, model). Benchmark figures (``BENCH``) read the committed
+    benchmark records in ``<results_dir>/bench/``."""
     from kvprobe.runner.records import task_stem
     from kvprobe.study import published_records
 
@@ -92,6 +107,14 @@ def render_all(results_dir: str | Path = "results", out_dir: str | Path = "figur
         newest = {(r["experiment"], task_stem(r), r["model"]["name"]): {**r, "_task": task_stem(r)} for r in records}
         published = list(newest.values())
     written = []
+    for stem, (name, draw) in BENCH.items():
+        path = out / f"{stem}.png"
+        path.unlink(missing_ok=True)
+        records = bench_records(results_dir, name)
+        if records:
+            draw(records, path)
+        if path.exists():
+            written.append(path)
     for stem, (experiment, draw) in FIGURES.items():
         records = [r for r in published if not experiment or r["experiment"] == experiment]
         if not records:

@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import tempfile
+import weakref
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -138,9 +139,25 @@ class BlockLibrary:
         return None
 
 
+# tokenizer -> (vocabulary size, hash): every block lookup names the tokenizer, and hashing a 50k vocabulary
+# took about a second per lookup (bench-ttft's store fetch); a changed vocabulary size recomputes it
+_TOKENIZER_HASHES: weakref.WeakKeyDictionary[Any, tuple[int, str]] = weakref.WeakKeyDictionary()
+
+
 def tokenizer_hash(tokenizer: Any) -> str:
     if tokenizer is None:
         return "none"
     vocab = tokenizer.get_vocab()
-    return hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()[:16]
+    try:
+        cached = _TOKENIZER_HASHES.get(tokenizer)
+    except TypeError:  # not weak-referenceable: no cache
+        cached = None
+    if cached is not None and cached[0] == len(vocab):
+        return cached[1]
+    out = hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()[:16]
+    try:
+        _TOKENIZER_HASHES[tokenizer] = (len(vocab), out)
+    except TypeError:
+        pass
+    return out
 
