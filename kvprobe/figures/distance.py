@@ -119,15 +119,16 @@ def fig_locality_sizes(records: list[dict[str, Any]], path: Path) -> None:
     lines = sorted({(c["format"], c["rule"]) for c in cells})
     for col, dist in enumerate(distances):
         top, bottom = axes[0][col], axes[1][col]
-        for fmt, rule in lines:
+        for i, (fmt, rule) in enumerate(lines):
             part = sorted((c for c in cells if (c["format"], c["rule"], c["distance"]) == (fmt, rule, dist)),
                           key=lambda c: c["params_b"])
             if not part:
                 continue
             color, ls = RULE_STYLE.get(rule, ("tab:gray", ":"))
             kw = dict(color=color, ls=ls, marker=MARKERS.get(fmt, "o"), ms=5, lw=1.2, label=f"{fmt}, rule {rule}")
-            bottom.plot([c["params_b"] for c in part], [c["cell"]["inclusion_rate"] for c in part], **kw)
-            pts = [(c["params_b"], c["cell"]) for c in part if c["cell"]["n_included"]]
+            shift = 1 + 0.05 * (i - (len(lines) - 1) / 2)  # side by side at one size, so equal values stay visible
+            bottom.plot([c["params_b"] * shift for c in part], [c["cell"]["inclusion_rate"] for c in part], **kw)
+            pts = [(c["params_b"] * shift, c["cell"]) for c in part if c["cell"]["n_included"]]
             if pts:
                 top.plot([x for x, _ in pts], [cell["recovery"]["field_only"]["gated"]["mean"] for _, cell in pts],
                          **kw)
