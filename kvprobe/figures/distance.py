@@ -5,6 +5,10 @@ rate under the record's gate, and field-only recovery (mean over included instan
 against the measured field-to-decision distance, one line per format. A cell with no included instance has
 no recovery point (a ratio over sub-threshold flips is noise); the paper's single point (Llama-3.1-8B,
 field-only -0.028 at 544+ tokens) is drawn for reference.
+
+The cross-size view (``fig3a_locality_sizes``): the grid of ``configs/locality_sizes.yaml`` on the pretrained
+sizes, field-only recovery against model size with the rule before vs after the field, beside the paper's 8B
+value (its cells come from :func:`kvprobe.runner.report.size_cells`, which the report's table reads too).
 """
 
 from __future__ import annotations
@@ -92,3 +96,77 @@ def fig_locality_distance(records: list[dict[str, Any]], path: Path) -> None:
 
 
 DISTANCE_FIGURES = {"fig3a_locality_distance": ("locality_distance", fig_locality_distance)}
+
+
+# The paper's field-only value on its headline model (Sec. 3 (1)): Llama-3.1-8B, its template (the rule in the
+# policy after the session context that holds the field), the field ~725 tokens before the decision.
+PAPER_8B = (8.0, -0.028)
+RULE_STYLE = {"before field": ("tab:blue", "-"), "after field": ("tab:orange", "--")}
+
+
+def fig_locality_sizes(records: list[dict[str, Any]], path: Path) -> None:
+    """Field-only recovery against model size, the rule before vs after the field (the cross-size view of
+    paper Fig. 3a): one column per distance, recovery (included instances, cluster CI) above and the inclusion
+    rate below, one line per (format, rule position) over the pretrained sizes; the paper's 8B value marked."""
+    from kvprobe.runner.report import size_cells
+
+    cells = [c for c in size_cells(records) if c["params_b"]]
+    if not cells:
+        return
+    distances = sorted({c["distance"] for c in cells})
+    fig, axes = plt.subplots(2, len(distances), figsize=(3.3 * len(distances) + 0.6, 5.4), squeeze=False,
+                             sharex=True, gridspec_kw={"height_ratios": [2.2, 1]})
+    lines = sorted({(c["format"], c["rule"]) for c in cells})
+    for col, dist in enumerate(distances):
+        top, bottom = axes[0][col], axes[1][col]
+        for i, (fmt, rule) in enumerate(lines):
+            part = sorted((c for c in cells if (c["format"], c["rule"], c["distance"]) == (fmt, rule, dist)),
+                          key=lambda c: c["params_b"])
+            if not part:
+                continue
+            color, ls = RULE_STYLE.get(rule, ("tab:gray", ":"))
+            kw = dict(color=color, ls=ls, marker=MARKERS.get(fmt, "o"), ms=5, lw=1.2, label=f"{fmt}, rule {rule}")
+            shift = 1 + 0.05 * (i - (len(lines) - 1) / 2)  # side by side at one size, so equal values stay visible
+            bottom.plot([c["params_b"] * shift for c in part], [c["cell"]["inclusion_rate"] for c in part], **kw)
+            pts = [(c["params_b"] * shift, c["cell"]) for c in part if c["cell"]["n_included"]]
+            if pts:
+                top.plot([x for x, _ in pts], [cell["recovery"]["field_only"]["gated"]["mean"] for _, cell in pts],
+                         **kw)
+            for x, cell in pts:
+                s = cell["recovery"]["field_only"]["gated"]
+                if s.get("ci_low") is not None and s.get("ci_high") is not None:
+                    top.vlines(x, s["ci_low"], s["ci_high"], color=color, lw=0.9)
+                top.annotate(f"{cell['n_included']}/{cell['n']}", (x, s["mean"]), textcoords="offset points",
+                             xytext=(4, 3 if rule == "before field" else -9), fontsize=6, color=color)
+        top.plot(*PAPER_8B, marker="*", color="black", ms=10, ls="none",
+                 label="paper: Llama-3.1-8B, rule after field, ~725 tok")
+        top.axhline(0, color="black", lw=0.6)
+        top.axhline(1, color="black", lw=0.4, ls=":")
+        measured = [c["cell"]["distance_tokens_mean"] for c in cells if c["distance"] == dist]
+        top.set_title(f"field {dist} tokens before the decision (measured {min(measured):.0f}-{max(measured):.0f})",
+                      fontsize=8)
+        bottom.set_ylim(-0.05, 1.05)
+        bottom.set_xscale("log")
+        bottom.set_xlim(0.09, 12)
+        bottom.set_xticks([0.135, 0.5, 1.5, 8], ["135M", "0.5B", "1.5B", "8B"])
+        bottom.minorticks_off()
+        bottom.set_xlabel("model size (parameters)", fontsize=8)
+        for ax in (top, bottom):
+            ax.tick_params(labelsize=7)
+    axes[0][0].set_ylabel("field-only recovery\n(included instances, 95% cluster CI)", fontsize=7)
+    axes[1][0].set_ylabel("included\n(oracle flip >= gate)", fontsize=7)
+    handles, labels = [], []
+    for ax in axes.flat:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=6.5, frameon=False)
+    fig.suptitle("Locality across pretrained sizes: does the decision read the field? (paper Fig. 3a, by size)",
+                 fontsize=9)
+    fig.tight_layout(rect=(0, 0.11, 1, 0.96))
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+DISTANCE_FIGURES["fig3a_locality_sizes"] = ("locality_distance", fig_locality_sizes)

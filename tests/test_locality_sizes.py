@@ -1,0 +1,53 @@
+"""The cross-size locality grid (configs/locality_sizes.yaml): the rule before vs after the field in the same
+formats, run on a tiny model; its cells ordered by model size, the report's table and the figure."""
+
+from __future__ import annotations
+
+import copy
+
+from kvprobe.runner.config import load_config
+from kvprobe.runner.experiment import run_experiment
+from tests.test_generator import tiny_generator_dir  # noqa: F401  (fixture)
+
+
+def _as_published(record, model, task="sizes"):
+    rec = copy.deepcopy(record)
+    rec["model"]["name"] = model
+    return {**rec, "_task": task}
+
+
+def test_locality_sizes_cells_by_size_table_and_figure(tiny_generator_dir, tmp_path, monkeypatch):  # noqa: F811
+    from kvprobe.figures.distance import fig_locality_sizes
+    from kvprobe.runner import report
+
+    # generated families: the tiny tokenizer covers the generator's words, not the template's scenarios
+    cfg = load_config("configs/locality_sizes.yaml", {
+        "model": str(tiny_generator_dir), "output_dir": str(tmp_path), "task": {"scenarios": None},
+        "params": {"distances": [40, 120], "instances_per_cell": 2}})
+    _, record = run_experiment(cfg, progress=False)
+    assert set(record["summary"]["cells"]) == {"user_turn, rule before field", "user_turn, rule after field",
+                                               "document_qa, rule before field", "document_qa, rule after field"}
+    assert len(record["rows"]) == 16
+    # three sizes given in the wrong order, one record of another task (not part of the grid)
+    records = [_as_published(record, "qwen2.5-coder-1.5b"), _as_published(record, "smollm2-135m"),
+               _as_published(record, "qwen2.5-coder-0.5b", task="sizes_far"),
+               _as_published(record, "qwen2.5-coder-0.5b", task="distance")]
+    cells = report.size_cells(records)
+    assert len(cells) == 3 * 4 * 2
+    assert [c["model"] for c in cells[::8]] == ["smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
+    assert [c["params_b"] for c in cells[::8]] == [0.135, 0.494, 1.54]
+    assert {c["rule"] for c in cells} == {"before field", "after field"}
+    assert {c["distance"] for c in cells} == {40, 120}
+
+    monkeypatch.setattr(report, "published", lambda results_dir="results": records)
+    table = report.sizes_table("unused")
+    lines = [line for line in table.splitlines() if line.startswith("| qwen2.5-coder-1.5b")]
+    assert len(lines) == 8 and all("1.54 B" in line for line in lines)
+    one = cells[0]["cell"]
+    assert f"| {one['n_included']}/{one['n']} |" in table.splitlines()[2]
+    assert "kvprobe:locality_sizes" not in table and "locality_sizes" in report.GENERATORS
+
+    fig_locality_sizes(records, tmp_path / "sizes.png")
+    assert (tmp_path / "sizes.png").stat().st_size > 1000
+    fig_locality_sizes([_as_published(record, "qwen2.5-coder-0.5b", task="distance")], tmp_path / "none.png")
+    assert not (tmp_path / "none.png").exists()  # no cell of the grid: no figure
