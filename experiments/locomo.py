@@ -1,10 +1,10 @@
-"""LoCoMo: external validity of composition on real conversational memory (paper Section 7, Figure 11).
+"""External validity of composition on real conversational memory: LoCoMo (Maharana et al., 2024, "Evaluating
+Very Long-Term Conversational Memory of LLM Agents", ACL), paper Section 7, Figure 11.
 
-LoCoMo (Maharana et al., 2024, ACL; :mod:`kvprobe.tasks.locomo`) holds ten very long multi-session
-conversations with QA annotations. Per question the memory is the session(s) holding its evidence plus
-distractor sessions of the same conversation (drawn at random per question, each added while the memory stays
-within ``memory_tokens``), in session order, placed late: ``[sys][MEM][question]`` with LoCoMo's own prompt
-wording. Two computations of the byte-identical token ids are compared:
+LoCoMo (:mod:`kvprobe.tasks.locomo`) holds ten very long multi-session conversations with QA annotations. Per
+question the memory is the session(s) holding its evidence plus distractor sessions of the same conversation (drawn
+at random per question, each added while the memory stays within ``memory_tokens``), in session order, placed late:
+``[sys][MEM][question]`` with LoCoMo's own prompt wording. Two computations of the byte-identical token ids are compared:
 
 - full recompute: the whole prompt prefilled;
 - precompiled: each session a block prefilled alone (positions 0..L-1, once per conversation and reused across
@@ -291,7 +291,15 @@ EXPERIMENT = Experiment(
               "not reported (implied by the QA equivalence); the 0.97 bound is kvprobe's", "at_least",
               "answer_agree", paper_value=1.0, bound=KVPROBE_RATE_BOUND, gated=False, role="effect",
               location="Sec. 7, Fig. 11", paper_n=PAPER_N),
-        # can fail: were the positions irrelevant to the model, unrotated keys would match as well
+        Claim("locomo_first_token_agreement", "the spliced memory's first answer token is the full recompute's",
+              "not reported (implied by the QA equivalence); the 0.97 bound is kvprobe's", "at_least",
+              "first_token_agree", paper_value=1.0, bound=KVPROBE_RATE_BOUND, gated=False, role="effect",
+              location="Sec. 7, Fig. 11", paper_n=PAPER_N),
+        # both controls can fail: were the positions irrelevant to the model, unrotated keys would match as well
+        Claim("locomo_rotation_decision_control", "re-rotated sessions give full recompute's first answer token more "
+              "often than unrotated ones (paired)", "no-rotation collapses (Sec. 7 E2, Fig. 9b)", "greater",
+              "first_token_agree", "no_rotation_first_token_agree", gated=False, role="control",
+              location="Sec. 7 (E2), Fig. 9b"),
         Claim("locomo_rotation_control", "re-rotated sessions' answer-token logits are closer to full recompute "
               "than unrotated ones (paired)", "no-rotation collapses (Sec. 7 E2, Fig. 9b)", "greater", "cosine",
               "no_rotation_cosine", gated=False, role="control", location="Sec. 7 (E2), Fig. 9b"),

@@ -75,6 +75,10 @@ from kvprobe.figures.agent import FIGURES as AGENT_FIGURES  # noqa: E402
 
 FIGURES.update(AGENT_FIGURES)  # Sec. 6: the unified edit+compose agent (7b)
 
+from kvprobe.figures.locomo import FIGURES as LOCOMO_FIGURES  # noqa: E402
+
+FIGURES.update(LOCOMO_FIGURES)  # Sec. 7: LoCoMo external validity (Fig. 11)
+
 
 def render_all(results_dir: str | Path = "results", out_dir: str | Path = "figures") -> list[Path]:
     """Every figure from the records the study publishes (``study.yaml``), never from scratch or archive records:
