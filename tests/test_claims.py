@@ -152,7 +152,7 @@ def test_every_declared_claim_names_a_kind_and_identities_are_labelled():
 # Experiments whose claims must be checkable on committed records (each has records for its claims' templates).
 WITH_RECORDS = ("locality", "suffix", "specificity", "knockout", "dissociation", "edit_frontier", "transplant",
                 "edit_cot", "edit_wording", "writability", "timing", "heads", "scrubbing", "long_horizon", "directions",
-                "sae", "write_share")
+                "sae", "write_share", "locomo")
 
 
 @pytest.mark.parametrize("name", WITH_RECORDS)

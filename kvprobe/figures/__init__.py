@@ -75,6 +75,10 @@ from kvprobe.figures.agent import FIGURES as AGENT_FIGURES  # noqa: E402
 
 FIGURES.update(AGENT_FIGURES)  # Sec. 6: the unified edit+compose agent (7b)
 
+from kvprobe.figures.locomo import FIGURES as LOCOMO_FIGURES  # noqa: E402
+
+FIGURES.update(LOCOMO_FIGURES)  # Sec. 7: LoCoMo external validity (Fig. 11)
+
 from kvprobe.figures.serve import BENCH_FIGURES  # noqa: E402
 
 # figure file stem -> (benchmark whose records it reads: results/bench/<name>_<model>.json, drawing function)
