@@ -26,6 +26,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvprobe.backends import HookableModel
 from kvprobe.claims import Claim
 from kvprobe.kv.compose import Live, Spliced, assemble, precompile
 from kvprobe.kv.readout import prefill, read_logits
@@ -50,7 +51,7 @@ def make_instances(ctx: Context) -> list[Any]:
     return [twohop_instance(i, ctx.cfg.seed, "twohop", p.n_lines, p.gap) for i in range(ctx.cfg.task.n_instances)]
 
 
-def _layouts(lm: Any, ids: list[int], starts: list[int], b: int) -> dict[str, Any]:
+def _layouts(lm: HookableModel, ids: list[int], starts: list[int], b: int) -> dict[str, Any]:
     m0, m1 = starts[0], starts[-1]
     head, tail = Live(tuple(ids[:m0])), Live(tuple(ids[m1:-1]))
 
