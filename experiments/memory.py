@@ -28,7 +28,7 @@ Direct decisions are the argmax of the two action tokens (`` allow`` / `` refuse
 cache ends where that answer prefix begins, so a chain can start there. Where our setting differs: small CPU
 models (a 135M model decides an AND over two settings near chance, which the record's full-recompute
 accuracy shows), instruction-tuned rather than reasoning-native (the chain is induced by a cue and short),
-and memories of ~0.5k to ~2k tokens rather than 2k to 32k.
+and memories of ~0.5k to ~1.5k tokens rather than 2k to 32k.
 """
 
 from __future__ import annotations
@@ -58,19 +58,19 @@ MODES = ("direct", "chain")
 
 class Params(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    n_lines: int = Field(40, ge=10, description="memory lines (8 settings + filler notes); ~12 tokens a line")
+    n_lines: int = Field(50, ge=10, description="memory lines (8 settings + filler notes); ~12 tokens a line")
     n_relevant: int = Field(2, ge=1, le=4, description="settings the request ANDs over")
     seam_repair: list[int] = Field(default_factory=lambda: [0, 1])
-    blocks: list[int] = Field(default_factory=lambda: [1, 2, 4, 8], description="E4: numbers of blocks S")
+    blocks: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16], description="E4: numbers of blocks S")
     layouts: list[str] = Field(default_factory=lambda: ["contiguous", "split"],
                                description="relevant facts contiguous or split; instance i takes layouts[i % n]")
     edit: bool = Field(True, description="run E3 (toggle one stored fact)")
     modes: list[str] = Field(default_factory=lambda: ["direct", "chain"],
                              description="E1 and E3: decide directly and/or after a greedy chain")
-    chain_tokens: int = Field(24, ge=1, le=512, description="greedy chain budget (tokens); short on a CPU")
+    chain_tokens: int = Field(16, ge=1, le=512, description="greedy chain budget (tokens); short on a CPU")
     cot_cue: str = Field("Let me check each required setting in the user memory.",
                          description="run over the cache before the chain")
-    e1_lines: list[int] = Field(default_factory=lambda: [40, 80, 160],
+    e1_lines: list[int] = Field(default_factory=lambda: [50, 150],
                                 description="E1: memory lines per length (~12 tokens a line); [] skips E1")
     placements: list[str] = Field(default_factory=lambda: ["early", "late"], description="E1 placements")
 
@@ -121,12 +121,17 @@ def _cuts(starts: list[int], s: int) -> list[int]:
 
 
 def _spliced(lm: HookableModel, ids: list[int], starts: list[int], r: int, s: int = 1, seam: int = 0,
-             rotate: bool = True) -> Any:
+             rotate: bool = True, compiled: dict[tuple[int, int], Any] | None = None) -> Any:
     """The memory cut into ``s`` blocks at line boundaries, each precompiled alone and spliced between the live
-    head and the live tail; the cache ends ``r`` tokens (the answer prefix) before the prompt's end."""
+    head and the live tail; the cache ends ``r`` tokens (the answer prefix) before the prompt's end.
+    ``compiled`` keeps each block's isolated cache across calls (a block is precompiled once per instance)."""
     m0, m1 = starts[0], starts[-1]
     cuts = _cuts(starts, s)
-    blocks = [Spliced(tuple(ids[x:y]), precompile(lm, ids[x:y]), seam=seam if i == 0 else 0, rotate=rotate)
+    compiled = {} if compiled is None else compiled
+    for x, y in zip(cuts, cuts[1:]):
+        if (x, y) not in compiled:
+            compiled[(x, y)] = precompile(lm, ids[x:y])
+    blocks = [Spliced(tuple(ids[x:y]), compiled[(x, y)], seam=seam if i == 0 else 0, rotate=rotate)
               for i, (x, y) in enumerate(zip(cuts, cuts[1:]))]
     return assemble(lm, [Live(tuple(ids[:m0])), *blocks, Live(tuple(ids[m1:-r]))])
 
@@ -175,9 +180,9 @@ def _e1_rows(ctx: Context, inst: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _edit_row(ctx: Context, inst: Any, ids: list[int], r: int, base: Any) -> dict[str, Any]:
+def _edit_row(ctx: Context, inst: Any, ids: list[int], r: int, base: Any, full_old: Any) -> dict[str, Any]:
     """E3: toggle one relevant fact over the spliced cache ``base`` of the old memory; every method read in
-    every mode."""
+    every mode. ``full_old``: the full-recompute logits of the old prompt."""
     lm, tok, chat, p = ctx.lm, ctx.lm.tokenizer, ctx.lm.has_chat_template, ctx.params
     old_v = inst.value_of(inst.toggle)
     new_v = VALUES[1 - VALUES.index(old_v)]
@@ -215,7 +220,6 @@ def _edit_row(ctx: Context, inst: Any, ids: list[int], r: int, base: Any) -> dic
     irr = inst.with_value(inst.irrelevant, VALUES[1 - VALUES.index(inst.value_of(inst.irrelevant))])
     irr_ids, _, _, _ = render_ids(tok, irr, chat)
     right, wrong = tokens[1], tokens[0]  # the old action's token first: the decision before the toggle
-    full_old = read_logits(lm, prefill(lm, ids[:-r]), ids[-r:])[0]
     full_irr = read_logits(lm, prefill(lm, irr_ids[:-r]), irr_ids[-r:])[0]
     row["irrelevant_toggle_kept"] = bool((full_old[right] > full_old[wrong]) == (full_irr[right] > full_irr[wrong]))
     return row
@@ -228,9 +232,10 @@ def run_instance(ctx: Context, inst: Any) -> dict[str, Any]:
     right, wrong = action_ids(tok, prompt, ids, special, (inst.action, inst.other_action))
     full = read_logits(lm, prefill(lm, ids[:-r]), ids[-r:])[0]
     full_right = bool(full[right] > full[wrong])
-    states = {f"seam{k}": _spliced(lm, ids, starts, r, seam=k) for k in p.seam_repair}
-    states["no_rotation"] = _spliced(lm, ids, starts, r, rotate=False)
-    states |= {f"blocks{s}": _spliced(lm, ids, starts, r, s) for s in p.blocks if s > 1}
+    compiled: dict[tuple[int, int], Any] = {}
+    states = {f"seam{k}": _spliced(lm, ids, starts, r, seam=k, compiled=compiled) for k in p.seam_repair}
+    states["no_rotation"] = _spliced(lm, ids, starts, r, rotate=False, compiled=compiled)
+    states |= {f"blocks{s}": _spliced(lm, ids, starts, r, s, compiled=compiled) for s in p.blocks if s > 1}
     logits = read_logits(lm, list(states.values()), ids[-r:], batch_size=ctx.cfg.batch_size)
     mem = starts[-1] - starts[0]
     row: dict[str, Any] = {**inst.row(), "included": True, "n_tokens": len(ids), "memory_tokens": mem,
@@ -243,8 +248,8 @@ def run_instance(ctx: Context, inst: Any) -> dict[str, Any]:
     row["edit_cost"] = {str(s): max(b - a for a, b in zip(_cuts(starts, s), _cuts(starts, s)[1:])) / mem
                         for s in p.blocks}
     if p.edit:
-        base = states["seam1"] if "seam1" in states else _spliced(lm, ids, starts, r, seam=1)
-        row["edit"] = _edit_row(ctx, inst, ids, r, base)
+        base = states["seam1"] if "seam1" in states else _spliced(lm, ids, starts, r, seam=1, compiled=compiled)
+        row["edit"] = _edit_row(ctx, inst, ids, r, base, full)
     if p.e1_lines:
         row["e1"] = _e1_rows(ctx, inst)
     return row

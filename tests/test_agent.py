@@ -23,11 +23,12 @@ def test_agent_end_to_end(tiny_text_dir, tmp_path):
             (t1["n_tokens"] - t1["end"]["n_tokens"])
         for t in (t2, t3):
             assert t["front"]["prefilled"] < t["end"]["prefilled"] < t["end"]["n_tokens"]
-            assert t["end"]["prefilled"] > row["policy_tokens"] and t["front"]["agree"] and t["end"]["agree"]
+            assert t["end"]["prefilled"] > row["policy_tokens"]
+        assert t3["front"]["agree"] and t3["end"]["agree"] and "agree" not in t2["front"]
         assert row["baseline_prefill_ratio"]["end"] > row["baseline_prefill_ratio"]["front"]
     s = rec["summary"]
     assert s["n_decisions"] == 6 and s["agreement"]["n"] == 6
-    assert set(s["baselines"]) == {"front", "end"} and s["baselines"]["front"]["agreement"]["n"] == 6
+    assert set(s["baselines"]) == {"front", "end"} and s["baselines"]["front"]["agreement_last_turn"]["n"] == 2
     from kvprobe.figures.agent import fig7b_agent
 
     fig7b_agent([rec], tmp_path / "fig.png")

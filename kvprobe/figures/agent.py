@@ -21,7 +21,7 @@ def fig7b_agent(records: list[dict[str, Any]], path: Path) -> None:
     for m, (model, rec) in enumerate(per_model.items()):
         s = rec["summary"]
         base = s.get("baselines", {})
-        paths = [("unified", s["agreement"], 1.0)] + [(b, base[b]["agreement"], base[b]["prefill_ratio_mean"])
+        paths = [("unified", s["agreement"], 1.0)] + [(b, base[b]["agreement_last_turn"], base[b]["prefill_ratio_mean"])
                                                       for b in ("front", "end") if b in base]
         w = 0.8 / len(paths)
         for j, (name, agree, _) in enumerate(paths):
@@ -38,7 +38,7 @@ def fig7b_agent(records: list[dict[str, Any]], path: Path) -> None:
         a.legend(fontsize=7, loc="lower right")
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("decision agreement with full recompute")
-    ax.set_title("agreement (front/end: with their own recompute)", fontsize=8)
+    ax.set_title("agreement (front/end: last turn, own recompute)", fontsize=8)
     ax2.axhline(1.0, color="tab:blue", lw=0.8, ls="--")
     ax2.set_ylabel("prefilled tokens over the unified path's")
     ax2.set_title("cumulative prefill (dashed: unified = 1)", fontsize=8)
