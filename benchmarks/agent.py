@@ -31,13 +31,14 @@ def _ids(tok, text: str) -> list[int]:
     return list(tok(text, add_special_tokens=False)["input_ids"])
 
 
-def _prefix_path(lm, prompts: list[list[int]]) -> float:
-    """Reprefill-on-change: each turn reuses the previous turn's cache up to the first changed token."""
+def _cached_path(lm, prompts: list[list[int]], first) -> float:
+    """Cumulative seconds: the first turn's cache from ``first(ids)``; each later turn reuses the previous
+    turn's cache up to the first changed token and prefills the rest (:func:`append_edit`)."""
     total, cached, cached_ids = 0.0, None, None
     for ids in prompts:
         t = time.perf_counter()
         if cached is None:
-            st, suffix = prefill(lm, ids[:-1]), ids[-1:]
+            st, suffix = first(ids), ids[-1:]
         else:
             res = append_edit(lm, cached, cached_ids, ids, 1)
             st, suffix = res.state, res.suffix_ids
@@ -54,24 +55,17 @@ def run(lm, policy: list[int], head: list[int], states: list[list[int]], errata:
     ``states[k + 1]`` holds turn k's value written in place (front and end)."""
     block = precompile(lm, policy)  # paid once per policy: not timed
     prompts = [head + policy + states[0] + [t for e in errata[: k + 1] for t in e] + decision for k in range(turns)]
-    unified = reprefill = 0.0
-    cached = cached_ids = None
-    for k, ids in enumerate(prompts):
-        t = time.perf_counter()
-        if cached is None:
-            st = assemble(lm, [Live(tuple(head)), Spliced(tuple(policy), block), Live(tuple(ids[len(head) + len(policy):-1]))])
-            suffix = ids[-1:]
-        else:
-            res = append_edit(lm, cached, cached_ids, ids, 1)
-            st, suffix = res.state, res.suffix_ids
-        read_logits(lm, st, suffix)
-        unified += time.perf_counter() - t
-        cached, cached_ids = st, ids[:-1]
+    n = len(head) + len(policy)
+    unified = _cached_path(lm, prompts, lambda ids: assemble(
+        lm, [Live(tuple(head)), Spliced(tuple(policy), block), Live(tuple(ids[n:-1]))]))
+    reprefill = 0.0
+    for ids in prompts:
         t = time.perf_counter()
         read_logits(lm, prefill(lm, ids[:-1]), ids[-1:])
         reprefill += time.perf_counter() - t
-    front = _prefix_path(lm, [head + policy + states[k + 1] + decision for k in range(turns)])
-    end = _prefix_path(lm, [head + states[k + 1] + policy + decision for k in range(turns)])
+    full = lambda ids: prefill(lm, ids[:-1])  # noqa: E731 - reprefill-on-change starts from a full prefill
+    front = _cached_path(lm, [head + policy + states[k + 1] + decision for k in range(turns)], full)
+    end = _cached_path(lm, [head + states[k + 1] + policy + decision for k in range(turns)], full)
     return {"unified": unified, "reprefill": reprefill, "front": front, "end": end}
 
 

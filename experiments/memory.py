@@ -28,7 +28,7 @@ Direct decisions are the argmax of the two action tokens (`` allow`` / `` refuse
 cache ends where that answer prefix begins, so a chain can start there. Where our setting differs: small CPU
 models (a 135M model decides an AND over two settings near chance, which the record's full-recompute
 accuracy shows), instruction-tuned rather than reasoning-native (the chain is induced by a cue and short),
-and memories of ~0.5k to ~1.5k tokens rather than 2k to 32k.
+and memories of ~0.4k to ~1k tokens rather than 2k to 32k (the record states the lengths).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ MODES = ("direct", "chain")
 
 class Params(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    n_lines: int = Field(50, ge=10, description="memory lines (8 settings + filler notes); ~12 tokens a line")
+    n_lines: int = Field(40, ge=10, description="memory lines (8 settings + filler notes); ~12 tokens a line")
     n_relevant: int = Field(2, ge=1, le=4, description="settings the request ANDs over")
     seam_repair: list[int] = Field(default_factory=lambda: [0, 1])
     blocks: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16], description="E4: numbers of blocks S")
@@ -67,10 +67,10 @@ class Params(BaseModel):
     edit: bool = Field(True, description="run E3 (toggle one stored fact)")
     modes: list[str] = Field(default_factory=lambda: ["direct", "chain"],
                              description="E1 and E3: decide directly and/or after a greedy chain")
-    chain_tokens: int = Field(16, ge=1, le=512, description="greedy chain budget (tokens); short on a CPU")
+    chain_tokens: int = Field(12, ge=1, le=512, description="greedy chain budget (tokens); short on a CPU")
     cot_cue: str = Field("Let me check each required setting in the user memory.",
                          description="run over the cache before the chain")
-    e1_lines: list[int] = Field(default_factory=lambda: [50, 150],
+    e1_lines: list[int] = Field(default_factory=lambda: [40, 100],
                                 description="E1: memory lines per length (~12 tokens a line); [] skips E1")
     placements: list[str] = Field(default_factory=lambda: ["early", "late"], description="E1 placements")
 
@@ -159,8 +159,9 @@ def _decide(ctx: Context, mode: str, state: Any, suffix: list[int], actions: tup
     return {k: out[k] for k in ("decision", "decided_by", "n_tokens", "text")}
 
 
-def _e1_rows(ctx: Context, inst: Any) -> list[dict[str, Any]]:
-    """E1: full-recompute decisions of the same user at each memory length, placement and mode."""
+def _e1_rows(ctx: Context, inst: Any, known: tuple[list[int], Any]) -> list[dict[str, Any]]:
+    """E1: full-recompute decisions of the same user at each memory length, placement and mode. ``known``: the
+    instance's own prompt ids and full-recompute cache (late, ``n_lines``), reused where E1 meets it."""
     lm, tok, p = ctx.lm, ctx.lm.tokenizer, ctx.params
     out = []
     for n_lines in p.e1_lines:
@@ -171,7 +172,7 @@ def _e1_rows(ctx: Context, inst: Any) -> list[dict[str, Any]]:
             r = _answer_tokens(ctx, x, ids)
             acts = (x.action, x.other_action)
             tokens = tuple(action_ids(tok, prompt, ids, special, acts))
-            state = prefill(lm, ids[:-r])
+            state = known[1] if ids == known[0] else prefill(lm, ids[:-r])
             for mode in p.modes:
                 d = _decide(ctx, mode, state, ids[-r:], acts, tokens)
                 out.append({"lines": n_lines, "memory_tokens": starts[-1] - starts[0], "n_tokens": len(ids),
@@ -230,7 +231,8 @@ def run_instance(ctx: Context, inst: Any) -> dict[str, Any]:
     ids, starts, prompt, special = render_ids(tok, inst, lm.has_chat_template)
     r = _answer_tokens(ctx, inst, ids)
     right, wrong = action_ids(tok, prompt, ids, special, (inst.action, inst.other_action))
-    full = read_logits(lm, prefill(lm, ids[:-r]), ids[-r:])[0]
+    full_state = prefill(lm, ids[:-r])
+    full = read_logits(lm, full_state, ids[-r:])[0]
     full_right = bool(full[right] > full[wrong])
     compiled: dict[tuple[int, int], Any] = {}
     states = {f"seam{k}": _spliced(lm, ids, starts, r, seam=k, compiled=compiled) for k in p.seam_repair}
@@ -251,7 +253,7 @@ def run_instance(ctx: Context, inst: Any) -> dict[str, Any]:
         base = states["seam1"] if "seam1" in states else _spliced(lm, ids, starts, r, seam=1, compiled=compiled)
         row["edit"] = _edit_row(ctx, inst, ids, r, base, full)
     if p.e1_lines:
-        row["e1"] = _e1_rows(ctx, inst)
+        row["e1"] = _e1_rows(ctx, inst, (ids, full_state))
     return row
 
 

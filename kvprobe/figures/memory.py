@@ -35,7 +35,7 @@ def fig_memory(records: list[dict[str, Any]], path: Path) -> None:
     per_model = latest_per_model(records)
     if not per_model:
         return
-    fig, axes = plt.subplots(1, 4, figsize=(17, 4.2))
+    fig, axes = plt.subplots(1, 4, figsize=(18, 5.0))
     cmap = plt.get_cmap("tab10")
     _e1(axes[0], per_model)
     for m, (model, rec) in enumerate(per_model.items()):
@@ -70,8 +70,10 @@ def fig_memory(records: list[dict[str, Any]], path: Path) -> None:
     axes[2].set_title("E4 granularity", fontsize=9)
     axes[3].set_ylabel("P(correct) after toggling a stored fact")
     axes[3].set_title("E3 mid-session edit (hatched: after a chain)", fontsize=9)
-    for ax in axes:
-        ax.legend(fontsize=6)
+    for ax in axes:  # below each panel, never over the bars
+        ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
+    fig.subplots_adjust(bottom=0.3, wspace=0.3, left=0.05, right=0.98)
+    fig._kvprobe_laid_out = True  # the legends below need the room tight_layout would take back
     fig.suptitle("User memory: composed and edited notes (paper Sec. 7)", fontsize=10)
     save(fig, path)
 
