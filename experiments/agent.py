@@ -192,6 +192,10 @@ def table(s: dict[str, Any]) -> str:
            f"cosine mean {s['cosine_mean']:.4f} min {s['cosine_min']:.4f}; accuracy full "
            f"{ci_cell(s['full_accuracy'])} unified {ci_cell(s['unified_accuracy'])}; prefilled tokens, reprefill "
            f"over unified: {s['prefill_ratio_mean']:.2f}x (policy {s['policy_tokens_mean']:.0f} tokens)")
+    acc = s["full_accuracy"]
+    if acc.get("ci_low") is None or acc["ci_low"] <= 0.5:
+        out += (f"; full-recompute accuracy {acc['mean']:.2f} is not above chance, so accuracies are uninformative "
+                "here; agreement with full recompute needs no competent model")
     for b, x in sorted(s.get("baselines", {}).items()):
         out += (f"\n  {b} placement (in-place field, prefix cache): accuracy {ci_cell(x['accuracy'])}, last turn's "
                 f"agreement with its full recompute {ci_cell(x['agreement_last_turn'])}, with the unified decision "
