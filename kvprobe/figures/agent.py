@@ -16,7 +16,7 @@ def fig7b_agent(records: list[dict[str, Any]], path: Path) -> None:
     per_model = latest_per_model(records)
     if not per_model:
         return
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(4 + 3.2 * len(per_model), 3.8))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(4 + 3.2 * len(per_model), 4.3))
     colors = {"unified": "tab:blue", "front": "tab:orange", "end": "tab:green", "reprefill": "tab:grey"}
     for m, (model, rec) in enumerate(per_model.items()):
         s = rec["summary"]
@@ -35,7 +35,7 @@ def fig7b_agent(records: list[dict[str, Any]], path: Path) -> None:
     labels = [m.replace("-gated", "\n-gated") for m in per_model]
     for a in (ax, ax2):
         a.set_xticks(range(len(per_model)), labels, fontsize=7)
-        a.legend(fontsize=7, loc="lower right")
+        a.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, frameon=False)
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("decision agreement with full recompute")
     ax.set_title("agreement (front/end: last turn, own recompute)", fontsize=8)
