@@ -1,12 +1,16 @@
-"""Benchmark: cumulative time to first token of the unified edit+compose agent vs reprefill-every-turn
-(paper Figure 7b markers, Figure 12b), side by side in one run, on a grid of policy length x turns.
+"""Benchmark: cumulative time to first token of the unified edit+compose agent vs reprefill-every-turn and
+the front / end placement baselines (paper Figure 7b markers, Figure 12), side by side in one run, on a grid
+of policy length x turns.
 
 The policy (filler rules of the gated template, repeated to ~L tokens) is precompiled once (not timed: paid
-once per policy). Per turn the world state changes and an erratum line is appended ahead of the decision
-prompt. Unified: the first turn splices the policy (re-rotation) between the live head and tail; each later
+once per policy). Per turn the world state changes. Unified: an erratum line is appended ahead of the
+decision prompt; the first turn splices the policy (re-rotation) between the live head and tail; each later
 turn reuses the previous turn's cache up to the shared prefix and prefills only its delta
-(:func:`kvprobe.kv.edit.append_edit`), then reads the decision. Reprefill: every turn prefills the whole
-prompt. Cumulative TTFT = the sum over turns; the speedup is reprefill / unified, measured in this run.
+(:func:`kvprobe.kv.edit.append_edit`), then reads the decision. Reprefill: every turn prefills the unified
+path's whole prompt. Front / end: the state is rewritten in place (no erratum), the policy sits before the
+state (front) or after it (end), and each turn reuses the previous turn's cache up to the first changed token
+(reprefill-on-change; end therefore re-prefills the policy every turn). Cumulative TTFT = the sum over turns;
+each speedup is that path's time over the unified path's, measured in this run.
 
     make bench-agent [MODEL=smollm2-135m] [ARGS="--policy-tokens 500 1000 2000 --turns 2 4 8"]
 """
@@ -27,28 +31,42 @@ def _ids(tok, text: str) -> list[int]:
     return list(tok(text, add_special_tokens=False)["input_ids"])
 
 
-def run(lm, policy: list[int], head: list[int], state: list[int], errata: list[list[int]], decision: list[int],
-        turns: int) -> tuple[float, float]:
-    """(cumulative unified seconds, cumulative reprefill seconds) over ``turns`` turns."""
-    block = precompile(lm, policy)  # paid once per policy: not timed
-    prompts = [head + policy + state + [t for e in errata[: k + 1] for t in e] + decision for k in range(turns)]
-    unified = reprefill = 0.0
-    cached = cached_ids = None
-    for k, ids in enumerate(prompts):
+def _cached_path(lm, prompts: list[list[int]], first) -> float:
+    """Cumulative seconds: the first turn's cache from ``first(ids)``; each later turn reuses the previous
+    turn's cache up to the first changed token and prefills the rest (:func:`append_edit`)."""
+    total, cached, cached_ids = 0.0, None, None
+    for ids in prompts:
         t = time.perf_counter()
         if cached is None:
-            st = assemble(lm, [Live(tuple(head)), Spliced(tuple(policy), block), Live(tuple(ids[len(head) + len(policy):-1]))])
-            suffix = ids[-1:]
+            st, suffix = first(ids), ids[-1:]
         else:
             res = append_edit(lm, cached, cached_ids, ids, 1)
             st, suffix = res.state, res.suffix_ids
         read_logits(lm, st, suffix)
-        unified += time.perf_counter() - t
+        total += time.perf_counter() - t
         cached, cached_ids = st, ids[:-1]
+    return total
+
+
+def run(lm, policy: list[int], head: list[int], states: list[list[int]], errata: list[list[int]],
+        decision: list[int], turns: int) -> dict[str, float]:
+    """Cumulative seconds over ``turns`` turns per path: unified, reprefill, front, end. ``states[0]`` is the
+    initial session state, which the unified path keeps while it appends ``errata[:k+1]`` on turn k;
+    ``states[k + 1]`` holds turn k's value written in place (front and end)."""
+    block = precompile(lm, policy)  # paid once per policy: not timed
+    prompts = [head + policy + states[0] + [t for e in errata[: k + 1] for t in e] + decision for k in range(turns)]
+    n = len(head) + len(policy)
+    unified = _cached_path(lm, prompts, lambda ids: assemble(
+        lm, [Live(tuple(head)), Spliced(tuple(policy), block), Live(tuple(ids[n:-1]))]))
+    reprefill = 0.0
+    for ids in prompts:
         t = time.perf_counter()
         read_logits(lm, prefill(lm, ids[:-1]), ids[-1:])
         reprefill += time.perf_counter() - t
-    return unified, reprefill
+    full = lambda ids: prefill(lm, ids[:-1])  # noqa: E731 - reprefill-on-change starts from a full prefill
+    front = _cached_path(lm, [head + policy + states[k + 1] + decision for k in range(turns)], full)
+    end = _cached_path(lm, [head + states[k + 1] + policy + decision for k in range(turns)], full)
+    return {"unified": unified, "reprefill": reprefill, "front": front, "end": end}
 
 
 def main() -> None:
@@ -62,18 +80,23 @@ def main() -> None:
     tpl = load_template("configs/tasks/gated.yaml")
     head = _ids(tok, "You are a customer-support agent.\nPOLICY\n")
     rules = _ids(tok, "\n".join(tpl.filler_rules) + "\n")
-    state = _ids(tok, "\nSESSION CONTEXT\norder_status: shipped\n")
+    states = [_ids(tok, f"\nSESSION CONTEXT\norder_status: {'shipped' if k % 2 == 0 else 'pending'}\n")
+              for k in range(max(args.turns) + 1)]
     decision = _ids(tok, "\nTASK\nDecide the next action: cancel_order or refuse. Decision:")
     errata = [_ids(tok, f"\n[STATE UPDATE] order_status: {'pending' if k % 2 == 0 else 'shipped'}")
               for k in range(max(args.turns))]
-    print(f"{args.model}: cumulative TTFT, unified (policy spliced once, per-turn delta) vs reprefill every turn, "
-          "measured side by side in this run")
-    print(f"{'policy':>8}{'turns':>7}{'unified (s)':>13}{'reprefill (s)':>15}{'speedup':>9}")
+    print(f"{args.model}: cumulative TTFT, unified (policy spliced once, per-turn delta) vs reprefill every turn "
+          "and the front / end placement baselines (in-place state, prefix cache), measured side by side in this "
+          "run; speedup = that path's time over the unified path's")
+    print(f"{'policy':>8}{'turns':>7}{'unified (s)':>13}{'reprefill (s)':>15}{'x reprefill':>13}{'x front':>9}"
+          f"{'x end':>8}")
     for length in args.policy_tokens:
         policy = (rules * (length // len(rules) + 1))[:length]
         for turns in args.turns:
-            u, r = run(lm, policy, head, state, errata, decision, turns)
-            print(f"{length:>8}{turns:>7}{u:>13.3f}{r:>15.3f}{r / u:>8.2f}x")
+            t = run(lm, policy, head, states, errata, decision, turns)
+            u = t["unified"]
+            print(f"{length:>8}{turns:>7}{u:>13.3f}{t['reprefill']:>15.3f}{t['reprefill'] / u:>12.2f}x"
+                  f"{t['front'] / u:>8.2f}x{t['end'] / u:>7.2f}x")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ the mode (greedy, cue, answer cue, chain budget) and keeps each chain's text.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -26,6 +25,7 @@ from kvprobe.claims import KVPROBE_RATE_BOUND, Claim
 from kvprobe.kv import edit
 from kvprobe.kv.decode import greedy_chain
 from kvprobe.patching.pairs import Anchors
+from kvprobe.probes.chain import last_action
 from kvprobe.probes.edit_summary import (base_row, edit_case, edit_gate_summary, format_methods_table,
                                          method_entry, methods_headline, methods_summary, read_ld)
 from kvprobe.runner.experiment import Context, Experiment
@@ -50,12 +50,6 @@ class Params(BaseModel):
         if not v or any(m not in METHODS for m in v):
             raise ValueError(f"methods must be a non-empty subset of {list(METHODS)}; got {v}")
         return v
-
-
-def last_action(text: str, actions: tuple[str, str]) -> str | None:
-    """The action word the text names last (whole word, case-insensitive), or None."""
-    hits = [(m.start(), a) for a in actions for m in re.finditer(rf"\b{re.escape(a)}\b", text, re.IGNORECASE)]
-    return max(hits)[1] if hits else None
 
 
 def build_edits(ctx: Context, inst: Any, e: edit.FieldEdit, r: int) -> dict[str, edit.EditResult]:

@@ -14,8 +14,9 @@ by an unrelated note and the request naming its setting, so the decision needs B
 
 The full-recompute accuracy comes first: the paper's comparison needs a model that performs the two-hop
 decision (Llama-3.1-8B: 0.85). Where the exact 95% interval of our full-recompute accuracy does not lie
-above 0.5, the record says the comparison is uninformative and withholds the claims' per-instance measures
-(``summary.row_measures.informative`` is empty), so no verdict is drawn.
+above 0.5, the record says the comparison is uninformative and the claims count no instance (each row of
+``summary.row_measures.informative`` carries ``model_decides`` false, and the claims read only rows where it
+is true), so no verdict is drawn; the measures stay in the record for reading.
 
 Where our setting differs: small CPU models, a raw (non-chat) prompt of ~300 tokens, and two blocks.
 """
@@ -26,6 +27,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvprobe.backends import HookableModel
 from kvprobe.claims import Claim
 from kvprobe.kv.compose import Live, Spliced, assemble, precompile
 from kvprobe.kv.readout import prefill, read_logits
@@ -50,7 +52,7 @@ def make_instances(ctx: Context) -> list[Any]:
     return [twohop_instance(i, ctx.cfg.seed, "twohop", p.n_lines, p.gap) for i in range(ctx.cfg.task.n_instances)]
 
 
-def _layouts(lm: Any, ids: list[int], starts: list[int], b: int) -> dict[str, Any]:
+def _layouts(lm: HookableModel, ids: list[int], starts: list[int], b: int) -> dict[str, Any]:
     m0, m1 = starts[0], starts[-1]
     head, tail = Live(tuple(ids[:m0])), Live(tuple(ids[m1:-1]))
 
@@ -106,12 +108,11 @@ def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
                            f"full-recompute two-hop accuracy {acc['mean']:.2f} [{acc['ci_low']:.2f}, "
                            f"{acc['ci_high']:.2f}] is not above chance: the model cannot do the two-hop decision, "
                            "so the split/together comparison is uninformative and no verdict is drawn")
-    measures = {}
-    if out["informative"]:
-        measures = {str(r["index"]): {"together_agree": r["twohop"]["together_agree"],
-                                      "split_agree": r["twohop"]["split_agree"],
-                                      "control_together_agree": r["independent"]["together_agree"],
-                                      "control_split_agree": r["independent"]["split_agree"]} for r in rows}
+    measures = {str(r["index"]): {"model_decides": out["informative"],
+                                  "together_agree": r["twohop"]["together_agree"],
+                                  "split_agree": r["twohop"]["split_agree"],
+                                  "control_together_agree": r["independent"]["together_agree"],
+                                  "control_split_agree": r["independent"]["split_agree"]} for r in rows}
     out["row_measures"] = {"informative": {"rows": measures}}
     return out
 
@@ -147,8 +148,10 @@ EXPERIMENT = Experiment(
     claims=(
         Claim("twohop_split_penalty", "splitting a two-hop pair across blocks lowers agreement with full recompute",
               "0.76 vs 0.46, McNemar p=8e-7 (App. G)", "greater", "informative.together_agree",
-              "informative.split_agree", paper_value=0.30, gated=False, role="effect", location="App. G, Fig. 24", paper_n="80, balanced (Llama-3.1-8B)"),
+              "informative.split_agree", paper_value=0.30, gated=False, role="effect", location="App. G, Fig. 24", paper_n="80, balanced (Llama-3.1-8B)",
+              only="informative.model_decides"),
         Claim("independent_split_free", "splitting an independent pair the same way costs ~nothing",
               "penalty 0.04 (App. G)", "equivalent", "informative.control_together_agree",
-              "informative.control_split_agree", paper_value=0.04, bounds=(-0.1, 0.1), gated=False, role="control", location="App. G, Fig. 24"),
+              "informative.control_split_agree", paper_value=0.04, bounds=(-0.1, 0.1), gated=False, role="control", location="App. G, Fig. 24",
+              only="informative.model_decides"),
     ))

@@ -18,8 +18,17 @@ def test_agent_end_to_end(tiny_text_dir, tmp_path):
         assert t2["n_tokens"] > t1["n_tokens"] and t3["unified_prefilled"] < t3["n_tokens"] - row["policy_tokens"]
         assert t1["value"] != t2["value"] == t3["value"] or t2["value"] != t3["value"]
         assert row["prefill_ratio"] > 1 and all(0.9 < t["cosine"] <= 1.0001 for t in row["turns"])
+        # front keeps the policy cached (reprefill from the field on), end re-prefills it every turn
+        assert t1["front"]["prefilled"] == t1["front"]["n_tokens"] == t1["end"]["n_tokens"] == t1["n_tokens"] - \
+            (t1["n_tokens"] - t1["end"]["n_tokens"])
+        for t in (t2, t3):
+            assert t["front"]["prefilled"] < t["end"]["prefilled"] < t["end"]["n_tokens"]
+            assert t["end"]["prefilled"] > row["policy_tokens"]
+        assert t3["front"]["agree"] and t3["end"]["agree"] and "agree" not in t2["front"]
+        assert row["baseline_prefill_ratio"]["end"] > row["baseline_prefill_ratio"]["front"]
     s = rec["summary"]
     assert s["n_decisions"] == 6 and s["agreement"]["n"] == 6
+    assert set(s["baselines"]) == {"front", "end"} and s["baselines"]["front"]["agreement_last_turn"]["n"] == 2
     from kvprobe.figures.agent import fig7b_agent
 
     fig7b_agent([rec], tmp_path / "fig.png")
@@ -38,5 +47,6 @@ def test_agent_benchmark_runs_side_by_side(tiny_text_dir):
     spec.loader.exec_module(bench)
     lm = load_model(str(tiny_text_dir), device="cpu", dtype="float32")
     ids = list(range(5, 45))
-    u, r = bench.run(lm, ids[:20], ids[20:24], ids[24:28], [ids[28:31], ids[31:34]], ids[34:40], 2)
-    assert u > 0 and r > 0
+    states = [ids[24:28], ids[40:44], ids[24:28]]
+    t = bench.run(lm, ids[:20], ids[20:24], states, [ids[28:31], ids[31:34]], ids[34:40], 2)
+    assert set(t) == {"unified", "reprefill", "front", "end"} and all(v > 0 for v in t.values())

@@ -97,3 +97,18 @@ def test_import_layering_holds():
         pytest.fail("lint-imports is missing: it comes with the dev extra (import-linter); run `make install`")
     run = subprocess.run([exe, "--config", str(REPO / ".importlinter")], cwd=REPO, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+
+
+def test_no_untyped_model_parameter():
+    """A model parameter is typed with the backend protocol (HookableModel / KVBackend / LoadedModel), never
+    ``lm: Any``: scans every module of the package and the experiments."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    files = [*sorted((root / "kvprobe").rglob("*.py")), *sorted((root / "experiments").rglob("*.py"))]
+    assert len(files) > 20 and any(f.name == "weight_edit.py" for f in files)
+    pattern = re.compile(r"\blm\s*:\s*Any\b")
+    hits = [f"{f.relative_to(root)}:{i}" for f in files
+            for i, line in enumerate(f.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not hits, f"lm: Any (use kvprobe.backends.HookableModel): {hits}"

@@ -48,8 +48,13 @@ def test_twohop_blocks_end_to_end(tiny_memory_dir, tmp_path):
             assert all(0 <= r[f"{lay}_cosine"] <= 1.0001 for lay in ("split", "together", "one_block"))
     s = rec["summary"]
     assert s["label_balance"] == 0.5 and s["twohop"]["full_accuracy"]["n"] == 4
-    # a random-init model is at chance: the record withholds the measures the claims read
-    assert not s["informative"] and s["row_measures"]["informative"]["rows"] == {}
+    # a random-init model is at chance: every row says so, and the claims count only rows where the model decides
+    assert not s["informative"] and len(s["row_measures"]["informative"]["rows"]) == 4
+    assert not any(m["model_decides"] for m in s["row_measures"]["informative"]["rows"].values())
+    from kvprobe.claims import evaluate
+    from kvprobe.runner.experiment import get_experiment
+
+    assert all(evaluate(c, rec)["n"] == 0 for c in get_experiment("twohop_blocks").claims)
     assert "uninformative" in s["verdict_note"]
     figG_twohop_blocks([rec], tmp_path / "fig.png")
     assert (tmp_path / "fig.png").stat().st_size > 1000

@@ -16,10 +16,10 @@ The edits never rewrite a stored payload:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
+from kvprobe.backends import HookableModel
 from kvprobe.blocks.record import Identity, Policy, tokens_hash
 from kvprobe.blocks.store import BlockStore
 from kvprobe.errors import KVProbeError
@@ -29,11 +29,11 @@ from kvprobe.kv.rope import rerotate
 from kvprobe.kv.state import KVState
 
 
-def _context(lm: Any) -> tuple[str, str]:
+def _context(lm: HookableModel) -> tuple[str, str]:
     return str(lm.fingerprint), tokenizer_hash(getattr(lm, "tokenizer", None))
 
 
-def chunk_identities(lm: Any, ids: Sequence[int], n_layers: int, kv_heads: int, block_tokens: int | None = None,
+def chunk_identities(lm: HookableModel, ids: Sequence[int], n_layers: int, kv_heads: int, block_tokens: int | None = None,
                      start: int = 0, prefix_ids: Sequence[int] = ()) -> list[Identity]:
     """The identities of a chunk's blocks: positions [start, start+len) cut every ``block_tokens``; each block's
     prefix hash covers ``prefix_ids`` and the chunk's tokens before it."""
@@ -50,7 +50,7 @@ def chunk_identities(lm: Any, ids: Sequence[int], n_layers: int, kv_heads: int, 
     return out
 
 
-def store_chunk(store: BlockStore, lm: Any, ids: Sequence[int], block_tokens: int | None = None,
+def store_chunk(store: BlockStore, lm: HookableModel, ids: Sequence[int], block_tokens: int | None = None,
                 policy: Policy = Policy(), state: KVState | None = None) -> list[int]:
     """Precompile ``ids`` alone at positions 0..L-1 (unless ``state`` is given) and store it; returns block ids.
     Blocks already in the store are not written again."""
@@ -61,7 +61,7 @@ def store_chunk(store: BlockStore, lm: Any, ids: Sequence[int], block_tokens: in
     return [store.put(ident, state.slice(ident.pos_start, ident.pos_stop), policy) for ident in idents]
 
 
-def load_chunk(store: BlockStore, lm: Any, ids: Sequence[int], block_tokens: int | None = None) -> KVState | None:
+def load_chunk(store: BlockStore, lm: HookableModel, ids: Sequence[int], block_tokens: int | None = None) -> KVState | None:
     """The chunk's isolated KV from the store (RAM hit or disk promotion), or None if any block is missing."""
     if not ids:
         return None
@@ -76,7 +76,7 @@ def load_chunk(store: BlockStore, lm: Any, ids: Sequence[int], block_tokens: int
     return state
 
 
-def store_erratum(store: BlockStore, lm: Any, after: int, erratum_ids: Sequence[int], state: KVState,
+def store_erratum(store: BlockStore, lm: HookableModel, after: int, erratum_ids: Sequence[int], state: KVState,
                   prefix_ids: Sequence[int]) -> int:
     """An erratum as a new block after block ``after``: ``state`` is the erratum's K/V (computed over the
     prefix ``prefix_ids``, which ends with the stale context)."""
@@ -87,7 +87,7 @@ def store_erratum(store: BlockStore, lm: Any, after: int, erratum_ids: Sequence[
     return store.append(after, ident, state)
 
 
-def store_refresh(store: BlockStore, lm: Any, parent: int, field_ids: Sequence[int], state: KVState) -> int:
+def store_refresh(store: BlockStore, lm: HookableModel, parent: int, field_ids: Sequence[int], state: KVState) -> int:
     """An in-place field refresh: the field's recomputed K/V as a child block of the block holding the stale
     field. The parent keeps its payload (a reader takes the child's slots over the parent's)."""
     pid = store.identity(parent)
@@ -98,7 +98,7 @@ def store_refresh(store: BlockStore, lm: Any, parent: int, field_ids: Sequence[i
     return store.derive(parent, state, seq_id=tokens_hash(list(field_ids), *_context(lm), "refresh", str(parent)))
 
 
-def store_rerotated(store: BlockStore, lm: Any, parent: int, target_positions: Sequence[int] | torch.Tensor) -> int:
+def store_rerotated(store: BlockStore, lm: HookableModel, parent: int, target_positions: Sequence[int] | torch.Tensor) -> int:
     """The parent block re-rotated to ``target_positions`` (a transplant target), as a child block."""
     moved = rerotate(store.get(parent), target_positions, lm)
     return store.derive(parent, moved)

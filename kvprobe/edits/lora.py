@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvprobe.backends import HookableModel
 from kvprobe.errors import KVProbeError
 
 
@@ -31,11 +32,11 @@ class LoraEdit:
         self.peft_model = None
 
 
-def _model(lm: Any) -> torch.nn.Module:
+def _model(lm: HookableModel) -> torch.nn.Module:
     return lm.model if hasattr(lm, "model") and not isinstance(lm, torch.nn.Module) else lm
 
 
-def lora_edit(lm: Any, prompts: Sequence[Sequence[int]], target_id: int, other_id: int, r: int = 8,
+def lora_edit(lm: HookableModel, prompts: Sequence[Sequence[int]], target_id: int, other_id: int, r: int = 8,
               alpha: int = 16, target_modules: Sequence[str] = ("q_proj", "v_proj", "down_proj"), lr: float = 1e-3,
               max_steps: int = 50, margin: float = 1.0, seed: int = 0) -> LoraEdit:
     """Train a rank-``r`` adapter (Adam, cross-entropy on ``target_id`` as the next token after each prompt)

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvprobe.backends import HookableModel
 from kvprobe.errors import KVProbeError
 
 
@@ -64,7 +65,7 @@ class RomeEdit:
     detail: dict[str, Any] = field(default_factory=dict)
     original_weight: torch.Tensor | None = None  # kept so a rollback restores the bytes exactly
 
-    def rollback(self, lm: Any) -> None:
+    def rollback(self, lm: HookableModel) -> None:
         if self.original_weight is None:
             raise KVProbeError("this ROME edit was not applied (no saved weight to restore)")
         with torch.no_grad():
@@ -72,11 +73,11 @@ class RomeEdit:
         self.original_weight = None
 
 
-def _model(lm: Any) -> torch.nn.Module:
+def _model(lm: HookableModel) -> torch.nn.Module:
     return lm.model if hasattr(lm, "model") and not isinstance(lm, torch.nn.Module) else lm
 
 
-def down_proj(lm: Any, layer: int) -> torch.nn.Linear:
+def down_proj(lm: HookableModel, layer: int) -> torch.nn.Linear:
     layers = _model(lm).get_submodule(lm.spec.layers_path)
     if not 0 <= layer < len(layers):
         raise KVProbeError(f"ROME layer {layer} outside [0, {len(layers)})")
@@ -86,12 +87,12 @@ def down_proj(lm: Any, layer: int) -> torch.nn.Linear:
     return proj
 
 
-def _device(lm: Any) -> torch.device:
+def _device(lm: HookableModel) -> torch.device:
     return next(_model(lm).parameters()).device
 
 
 @torch.no_grad()
-def key_covariance(lm: Any, layer: int, token_ids: Sequence[Sequence[int]]) -> KeyCovariance:
+def key_covariance(lm: HookableModel, layer: int, token_ids: Sequence[Sequence[int]]) -> KeyCovariance:
     """``E[k k^T]`` (uncentered) of the ``down_proj`` input over every token of the given sequences."""
     proj = down_proj(lm, layer)
     total = torch.zeros(proj.in_features, proj.in_features, dtype=torch.float64)
@@ -116,7 +117,7 @@ def key_covariance(lm: Any, layer: int, token_ids: Sequence[Sequence[int]]) -> K
 
 
 @torch.no_grad()
-def subject_key(lm: Any, layer: int, prompts: Sequence[SubjectPrompt]) -> torch.Tensor:
+def subject_key(lm: HookableModel, layer: int, prompts: Sequence[SubjectPrompt]) -> torch.Tensor:
     """``k*``: the ``down_proj`` input at the subject's last token, averaged over ``prompts``."""
     proj, keys = down_proj(lm, layer), []
 
@@ -138,7 +139,7 @@ def _target_log_prob(logits: torch.Tensor, n_prompt: int, target_ids: Sequence[i
     return logp[rows, torch.as_tensor(list(target_ids), device=logits.device)].sum()
 
 
-def optimize_value(lm: Any, layer: int, prompts: Sequence[SubjectPrompt], target_ids: Sequence[int],
+def optimize_value(lm: HookableModel, layer: int, prompts: Sequence[SubjectPrompt], target_ids: Sequence[int],
                    essence: Sequence[SubjectPrompt] = (), steps: int = 25, lr: float = 0.5, kl_weight: float = 0.0625,
                    weight_decay: float = 0.5, clamp_norm: float = 4.0, stop_prob: float = 0.95
                    ) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -211,7 +212,7 @@ def optimize_value(lm: Any, layer: int, prompts: Sequence[SubjectPrompt], target
     return (v0 + delta.detach()), detail
 
 
-def rank_one_update(lm: Any, layer: int, k_star: torch.Tensor, v_star: torch.Tensor, cov: KeyCovariance,
+def rank_one_update(lm: HookableModel, layer: int, k_star: torch.Tensor, v_star: torch.Tensor, cov: KeyCovariance,
                     ridge: float = 1e-4) -> RomeEdit:
     """The closed form: ``right = C^-1 k* / (k*^T C^-1 k*)``, ``left = v* - W k*`` (not yet applied)."""
     if cov.layer != layer:
@@ -227,14 +228,14 @@ def rank_one_update(lm: Any, layer: int, k_star: torch.Tensor, v_star: torch.Ten
 
 
 @torch.no_grad()
-def apply(lm: Any, edit: RomeEdit) -> RomeEdit:
+def apply(lm: HookableModel, edit: RomeEdit) -> RomeEdit:
     proj = down_proj(lm, edit.layer)
     edit.original_weight = proj.weight.detach().clone()
     proj.weight.add_(torch.outer(edit.left, edit.right).to(proj.weight.dtype).to(proj.weight.device))
     return edit
 
 
-def rome_edit(lm: Any, layer: int, prompts: Sequence[SubjectPrompt], target_ids: Sequence[int],
+def rome_edit(lm: HookableModel, layer: int, prompts: Sequence[SubjectPrompt], target_ids: Sequence[int],
               cov: KeyCovariance, essence: Sequence[SubjectPrompt] = (), ridge: float = 1e-4,
               **optimize: Any) -> RomeEdit:
     """Compute and apply a ROME edit (k*, v* by optimisation, the rank-one update); returns it for rollback."""

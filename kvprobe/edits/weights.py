@@ -4,13 +4,14 @@ in a per-request cache) and whether a rollback restored them exactly."""
 from __future__ import annotations
 
 import hashlib
-from typing import Any
 
 import torch
 
+from kvprobe.backends import HookableModel
+
 
 @torch.no_grad()
-def weights_checksum(lm: Any) -> str:
+def weights_checksum(lm: HookableModel) -> str:
     """SHA-256 over every parameter and buffer's name, dtype, shape and bytes, in state-dict order."""
     model = lm.model if hasattr(lm, "model") and not isinstance(lm, torch.nn.Module) else lm
     h = hashlib.sha256()

@@ -258,7 +258,7 @@ class _Stop(Exception):
 
 
 @torch.no_grad()
-def count_alive(lm: Any, sae: Any, site: str, layer: int, sequences: Sequence[Sequence[int]], skip_first: int = 0,
+def count_alive(lm: HookableModel, sae: Any, site: str, layer: int, sequences: Sequence[Sequence[int]], skip_first: int = 0,
                 batch: int = 8) -> dict[str, Any]:
     """Features that fire at least once over the sequences' tokens (the first ``skip_first`` of each left out),
     streamed in batches of equal-length sequences (nothing kept but the running mask); the forward pass stops

@@ -1,5 +1,6 @@
-"""Figure 7b: the unified edit+compose agent; agreement with full recompute per model (exact CI) and the
-prefilled-token ratio of reprefill-every-turn over the unified path (wall-clock TTFT: benchmarks/agent.py)."""
+"""Figures 7b / 12: the unified edit+compose agent beside the placement baselines. Left: decision agreement
+with full recompute (exact CI) per path and model; right: tokens each path prefilled over the unified path's
+(reprefill every turn, front and end placement with a prefix cache; wall-clock TTFT: benchmarks/agent.py)."""
 
 from __future__ import annotations
 
@@ -15,19 +16,33 @@ def fig7b_agent(records: list[dict[str, Any]], path: Path) -> None:
     per_model = latest_per_model(records)
     if not per_model:
         return
-    fig, ax = plt.subplots(figsize=(3 + 1.6 * len(per_model), 3.6))
-    ax2 = ax.twinx()
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(4 + 3.2 * len(per_model), 4.3))
+    colors = {"unified": "tab:blue", "front": "tab:orange", "end": "tab:green", "reprefill": "tab:grey"}
     for m, (model, rec) in enumerate(per_model.items()):
         s = rec["summary"]
-        bar_with_ci(ax, m, s["agreement"], 0.6, "tab:blue", label="agreement" if m == 0 else None)
-        ax2.plot(m, s["prefill_ratio_mean"], "D", color="tab:red", label="prefilled-token ratio" if m == 0 else None)
-    ax.set_xticks(range(len(per_model)), list(per_model), fontsize=7)
+        base = s.get("baselines", {})
+        paths = [("unified", s["agreement"], 1.0)] + [(b, base[b]["agreement_last_turn"], base[b]["prefill_ratio_mean"])
+                                                      for b in ("front", "end") if b in base]
+        w = 0.8 / len(paths)
+        for j, (name, agree, _) in enumerate(paths):
+            bar_with_ci(ax, m + (j - (len(paths) - 1) / 2) * w, agree, w, colors[name],
+                        label=name if m == 0 else None)
+        ratios = [("reprefill", s["prefill_ratio_mean"])] + [(b, base[b]["prefill_ratio_mean"])
+                                                             for b in ("front", "end") if b in base]
+        w = 0.8 / len(ratios)
+        for j, (name, r) in enumerate(ratios):
+            ax2.bar(m + (j - (len(ratios) - 1) / 2) * w, r, w, color=colors[name], label=name if m == 0 else None)
+    labels = [m.replace("-gated", "\n-gated") for m in per_model]
+    for a in (ax, ax2):
+        a.set_xticks(range(len(per_model)), labels, fontsize=7)
+        a.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, frameon=False)
     ax.set_ylim(0, 1.05)
-    ax.set_ylabel("unified vs full-recompute agreement")
-    ax2.set_ylabel("reprefill / unified prefilled tokens")
-    ax2.set_ylim(bottom=0)
-    fig.legend(fontsize=7, loc="lower left")
-    fig.suptitle("Unified edit+compose agent (paper Fig. 7b)", fontsize=10)
+    ax.set_ylabel("decision agreement with full recompute")
+    ax.set_title("agreement (front/end: last turn, own recompute)", fontsize=8)
+    ax2.axhline(1.0, color="tab:blue", lw=0.8, ls="--")
+    ax2.set_ylabel("prefilled tokens over the unified path's")
+    ax2.set_title("cumulative prefill (dashed: unified = 1)", fontsize=8)
+    fig.suptitle("Unified edit+compose agent vs placement baselines (paper Fig. 7b, 12)", fontsize=10)
     save(fig, path)
 
 

@@ -81,14 +81,15 @@ def short_model(name: str) -> str:
             .replace("-gated-", " org. "))
 
 
-def bar_with_ci(ax, x: float, stat: dict[str, Any], width: float, color: str, label: str | None = None) -> None:
+def bar_with_ci(ax, x: float, stat: dict[str, Any], width: float, color: str, label: str | None = None,
+                hatch: str | None = None) -> None:
     mean = stat.get("mean")
     if mean is None:
         return
     # no interval (one instance or one scenario: ci None) draws no whisker
     lo = mean if stat.get("ci_low") is None else stat["ci_low"]
     hi = mean if stat.get("ci_high") is None else stat["ci_high"]
-    ax.bar(x, mean, width=width, color=color, label=label)
+    ax.bar(x, mean, width=width, color=color, label=label, hatch=hatch)
     ax.errorbar(x, mean, yerr=[[mean - lo], [hi - mean]], fmt="none", ecolor="black", capsize=2, lw=0.8)
 
 

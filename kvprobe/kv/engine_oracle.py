@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvprobe.backends import HookableModel
 from kvprobe.backends.llamacpp import LlamaCppEngine
 from kvprobe.errors import KVProbeError
 from kvprobe.kv import edit
@@ -38,12 +39,12 @@ def _cos(a: np.ndarray, b: np.ndarray) -> float:
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
-def _hf(lm: Any, state, suffix) -> np.ndarray:
+def _hf(lm: HookableModel, state, suffix) -> np.ndarray:
     return read_logits(lm, state, list(suffix))[0].double().numpy()
 
 
 @torch.no_grad()
-def compare_instance(lm: Any, engine: LlamaCppEngine, template: Any, inst: Any) -> dict[str, Any]:
+def compare_instance(lm: HookableModel, engine: LlamaCppEngine, template: Any, inst: Any) -> dict[str, Any]:
     """One instance: per operation, the engine vs HF and vs its own reprefill (cosine, decisions, lds)."""
     tok, chat, r = lm.tokenizer, lm.has_chat_template, 1
     pair = tokenize_pair(tok, inst, chat)

@@ -61,6 +61,7 @@ PREAMBLE = "You are a personal assistant. The notes below are what you remember 
 MEMORY_HEADER = "USER MEMORY"
 DECISION = "Answer with exactly one word: allow or refuse."
 ANSWER_PREFIX = "Decision:"
+PLACEMENTS = ("late", "early")  # [sys][traj][MEM][query] / [sys][MEM][traj][query]
 
 
 @dataclass(frozen=True)
@@ -172,8 +173,9 @@ TRAJECTORY = ("user: Hi, can you help me sort out a few things on my account tod
 
 @dataclass(frozen=True)
 class PersonaInstance:
-    """A persona memory with an AND decision over ``relevant`` settings, placed late:
-    ``[preamble][trajectory][USER MEMORY lines][request]`` (the paper's [sys][traj][MEM][query]).
+    """A persona memory with an AND decision over ``relevant`` settings, placed late,
+    ``[preamble][trajectory][USER MEMORY lines][request]`` (the paper's [sys][traj][MEM][query]), or early
+    (``placement='early'``), ``[preamble][USER MEMORY lines][trajectory][request]`` ([sys][MEM][traj][query]).
 
     ``toggle`` is the relevant setting whose flip flips the decision (E3); ``irrelevant`` a setting the
     request does not read (the negative control). ``value_of`` gives each setting's stored value."""
@@ -189,6 +191,7 @@ class PersonaInstance:
     action: str
     other_action: str
     meta: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    placement: str = "late"
 
     def with_value(self, setting: str, value: str) -> "PersonaInstance":
         lines = list(self.lines)
@@ -201,13 +204,19 @@ class PersonaInstance:
     def decides(self) -> str:
         return "allow" if all(self.value_of(s) == "enabled" for s in self.relevant) else "refuse"
 
+    def _head(self) -> str:
+        """The text before the first memory line."""
+        late = f"CONVERSATION\n{TRAJECTORY}\n\n" if self.placement == "late" else ""
+        return f"{PREAMBLE}\n\n{late}{MEMORY_HEADER}\n"
+
     def body(self, erratum: str | None = None) -> str:
         extra = f"{erratum}\n" if erratum else ""
-        return (f"{PREAMBLE}\n\nCONVERSATION\n{TRAJECTORY}\n\n{MEMORY_HEADER}\n"
-                + "".join(f"- {line}\n" for line in self.lines) + f"\n{extra}{self.request}\n{DECISION}")
+        early = f"\nCONVERSATION\n{TRAJECTORY}\n" if self.placement == "early" else ""
+        return (self._head() + "".join(f"- {line}\n" for line in self.lines) + early
+                + f"\n{extra}{self.request}\n{DECISION}")
 
     def line_chars(self) -> list[int]:
-        at, out = len(f"{PREAMBLE}\n\nCONVERSATION\n{TRAJECTORY}\n\n{MEMORY_HEADER}\n"), []
+        at, out = len(self._head()), []
         for line in self.lines:
             out.append(at)
             at += len(f"- {line}\n")
@@ -215,7 +224,7 @@ class PersonaInstance:
 
     def row(self) -> dict[str, Any]:
         return {"scenario": self.scenario, "action": self.action, "n_lines": len(self.lines),
-                "toggle": self.toggle, "irrelevant": self.irrelevant, **self.meta}
+                "toggle": self.toggle, "irrelevant": self.irrelevant, "placement": self.placement, **self.meta}
 
 
 def replace_lines(inst: "PersonaInstance", lines: tuple[str, ...]) -> "PersonaInstance":
@@ -227,14 +236,18 @@ def replace_lines(inst: "PersonaInstance", lines: tuple[str, ...]) -> "PersonaIn
 
 
 def persona_instance(index: int, seed: int, n_lines: int = 40, n_settings: int = 8, n_relevant: int = 2,
-                     layout: str = "contiguous") -> PersonaInstance:
+                     layout: str = "contiguous", placement: str = "late") -> PersonaInstance:
     """A persona with ``n_settings`` settings (``n_relevant`` of them gate the request: AND) among filler notes.
 
     Labels alternate with ``index`` (allow: every relevant setting enabled; refuse: exactly one disabled).
     ``layout`` 'contiguous' puts the relevant setting lines next to each other, 'split' spreads them over the
-    memory. Filler notes repeat (cycled) when the memory is longer than the note list."""
+    memory. Filler notes repeat (cycled) when the memory is longer than the note list. The settings, their
+    values and the request depend on ``index`` and ``seed`` only, not on ``n_lines`` or ``placement`` (the
+    same user at every memory length)."""
     if layout not in ("contiguous", "split"):
         raise KVProbeError(f"layout must be 'contiguous' or 'split'; got {layout!r}")
+    if placement not in PLACEMENTS:
+        raise KVProbeError(f"placement must be one of {PLACEMENTS}; got {placement!r}")
     if not 1 <= n_relevant < n_settings <= len(SETTINGS) or n_lines < n_settings + 2:
         raise KVProbeError(f"need 1 <= n_relevant < n_settings <= {len(SETTINGS)} and n_lines >= n_settings + 2")
     rng = _rng("persona", seed, index)
@@ -268,6 +281,7 @@ def persona_instance(index: int, seed: int, n_lines: int = 40, n_settings: int =
                + " and ".join(relevant) + " are all enabled in the user memory: allow if so, refuse otherwise.")
     toggle = off if not allow else rng.choice(relevant)  # flipping it flips the AND
     inst = PersonaInstance(index, lead, tuple(lines), tuple(relevant), where, toggle, rng.choice(others), request,
-                           "allow" if allow else "refuse", "refuse" if allow else "allow", {"layout": layout})
+                           "allow" if allow else "refuse", "refuse" if allow else "allow", {"layout": layout},
+                           placement)
     assert inst.decides() == inst.action
     return inst
