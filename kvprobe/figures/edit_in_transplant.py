@@ -30,20 +30,25 @@ def fig7a_edit_in_transplant(records: list[dict[str, Any]], path: Path) -> None:
     markers = "osD^v<>"
     for ax, metric, label in ((axes[0], "recovery", "recovery"), (axes[1], "p_correct", "P(correct)")):
         ax.plot([-0.2, 1.2], [-0.2, 1.2], color="grey", lw=0.8, ls="--")
+        labelled: set[str] = set()
         for m, (model, rec) in enumerate(per_model.items()):
+            if metric == "recovery" and not rec["summary"].get("n_included"):
+                continue  # a recovery over no gated instance divides noise: P(correct) and agreement only
             for i, (name, b) in enumerate(rec["summary"]["methods"].items()):
                 x, y = _point(b["normal"][metric]), _point(b["composed"][metric])
                 if x is None or y is None:
                     continue
                 ax.errorbar(x[0], y[0], xerr=[[x[1]], [x[2]]], yerr=[[y[1]], [y[2]]], fmt=markers[m % len(markers)],
-                            color=cmap(i), ms=5, lw=0.7, capsize=2,
-                            label=f"{name}" if m == 0 else None)
-            ax.plot([], [], markers[m % len(markers)], color="black", label=f"model: {model}")
+                            color=cmap(i), ms=5, lw=0.7, capsize=2, label=None if name in labelled else name)
+                labelled.add(name)
+            if metric == "p_correct":
+                ax.plot([], [], markers[m % len(markers)], color="black", label=f"model: {model}")
         ax.set_xlabel(f"{label}, normally prefilled context")
         ax.set_ylabel(f"{label}, field inside the transplanted chunk")
         ax.set_xlim(-0.2, 1.2)
         ax.set_ylim(-0.2, 1.2)
     axes[1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    axes[0].set_title("models with gated instances", fontsize=8)
     fig.suptitle("Editing inside a transplant vs a normal context (paper Fig. 7a)", fontsize=10)
     save(fig, path)
 

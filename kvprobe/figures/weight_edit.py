@@ -9,8 +9,8 @@ import matplotlib.pyplot as plt
 
 from kvprobe.figures.common import bar_with_ci, latest_per_model, save
 
-MEASURES = (("efficacy", "efficacy (target flips)"), ("contamination", "cross-request contamination"),
-            ("collateral", "collateral (unrelated decisions)"))
+MEASURES = (("efficacy", "efficacy\n(the target flips)"), ("contamination", "contamination\n(held-out requests flip)"),
+            ("collateral", "collateral\n(unrelated decisions move)"))
 
 
 def table1_weight_edit(records: list[dict[str, Any]], path: Path) -> None:
@@ -19,7 +19,7 @@ def table1_weight_edit(records: list[dict[str, Any]], path: Path) -> None:
         return
     names = list(per_model)
     methods = list(next(iter(per_model.values()))["summary"]["methods"])
-    fig, axes = plt.subplots(1, 4, figsize=(4 + 3 * len(names), 3.4))
+    fig, axes = plt.subplots(1, 4, figsize=(5 + 3.5 * len(names), 3.8))
     width = 0.8 / len(methods)
     cmap = plt.get_cmap("tab10")
     for ax, (key, label) in zip(axes, MEASURES):
@@ -43,7 +43,10 @@ def table1_weight_edit(records: list[dict[str, Any]], path: Path) -> None:
                 ax.bar(m + (j - (len(methods) - 1) / 2) * width, b["latency_x_erratum_median"], width, color=cmap(j))
     ax.set_yscale("log")
     ax.set_xticks(range(len(names)), names, fontsize=6)
-    ax.set_title("edit latency / erratum (median, one run)", fontsize=8)
-    axes[0].legend(fontsize=6)
+    ax.set_title("edit latency\n(x the erratum, median, one run)", fontsize=8)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=len(methods), fontsize=7,
+               frameon=False)
+    fig.subplots_adjust(bottom=0.22, top=0.78, wspace=0.35)
+    fig._kvprobe_laid_out = True  # the legend sits below the axes: keep this layout
     fig.suptitle("KV editing vs weight editing for per-request state (paper Table 1; 'id' = identity)", fontsize=9)
     save(fig, path)
