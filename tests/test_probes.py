@@ -247,7 +247,10 @@ def test_cli_and_figure(name, extra, probe_text_dir, tmp_path):
     _check_gate(rec)
     s, row = rec["summary"], rec["rows"][0]
     if name == "dissociation":
-        assert row["trigger_and_notes"] == pytest.approx(1, abs=1e-4) and row["stale"] == pytest.approx(0, abs=1e-6)
+        # an identity up to fp32 rounding of the logit difference (1e-4 nats: batched and single forwards sum
+        # in another order); a tiny random model's small flip divides it, so the tolerance scales with 1 / |flip|
+        tol = max(1e-4, 1e-4 / abs(row["flip"]))
+        assert row["trigger_and_notes"] == pytest.approx(1, abs=tol) and row["stale"] == pytest.approx(0, abs=1e-6)
         assert row["varied"] == "trigger" and len(row["trigger_tokens"]) == 1
     if name == "probes":
         assert set(s["probes"]) == {"last_context", "top_effect", "decision"}
