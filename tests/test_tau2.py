@@ -21,6 +21,16 @@ def test_the_environment_s_own_tool_is_the_reward():
     assert len(tau2_retail.policy()) > 5000  # read from the package, not a copy
 
 
+def test_importing_the_tools_prints_no_env_file_warning():
+    """tau2 warns at import that it found no .env; kvprobe reads none, so a user should not see it."""
+    import subprocess
+    import sys
+    code = "from kvprobe.envs import tau2_retail; tau2_retail.retail_tools()"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "No .env file found" not in done.stderr + done.stdout
+
+
 def test_tau2_experiment_end_to_end(tiny_text_dir, tmp_path):
     from kvprobe.runner.cli import main
 

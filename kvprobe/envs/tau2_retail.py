@@ -74,13 +74,18 @@ class _Inert:
         return (object,)
 
 
+# tau2 warns at import that it found no .env file; kvprobe calls no model through tau2 and reads no .env
+IMPORT_NOISE = ("No .env file found",)
+
+
 class _Logger:
-    """loguru's ``logger`` as the tools use it at import time (``logger.warning("No .env file found")``)."""
+    """loguru's ``logger`` as the tools use it at import time (``logger.warning("No .env file found")``):
+    forwarded to :mod:`logging`, with :data:`IMPORT_NOISE` at debug level."""
 
     def __getattr__(self, level: str) -> Any:
         target = getattr(log, level, None)
         if level in ("debug", "info", "warning", "error", "exception", "critical") and target is not None:
-            return target
+            return lambda msg, *a, **k: (log.debug if msg in IMPORT_NOISE else target)(msg, *a, **k)
         return _Inert(f"loguru.logger.{level}")
 
 
@@ -102,12 +107,19 @@ def retail_tools() -> tuple[type, type, tuple[str, ...]]:
     added = [m for m in missing if m not in sys.modules]
     for m in added:
         sys.modules[m] = _stand_in(m)
+    # An installed loguru would print tau2's import-time IMPORT_NOISE to stderr; its logging is on afterwards.
+    real_loguru = "loguru" not in missing
+    if real_loguru:
+        from loguru import logger as loguru_logger
+        loguru_logger.disable("tau2")
     try:
         tools = importlib.import_module("tau2.domains.retail.tools")
         data_model = importlib.import_module("tau2.domains.retail.data_model")
     finally:
         for m in added:
             sys.modules.pop(m, None)
+        if real_loguru:
+            loguru_logger.enable("tau2")
     return tools.RetailTools, data_model.RetailDB, missing
 
 
