@@ -37,3 +37,20 @@ def test_edit_in_transplant_end_to_end(tiny_text_dir, tmp_path):
         assert not isinstance(claim.b, str) or all(get(r, claim.b) is not None for r in rec["rows"]), claim.key
     fig7a_edit_in_transplant([rec], tmp_path / "fig.png")
     assert (tmp_path / "fig.png").stat().st_size > 1000
+
+
+def test_without_a_gated_instance_the_headline_and_table_report_agreement_not_recovery():
+    """Recovery divides by the oracle's flip; with no instance past the gate it is undefined (once printed as
+    +322.55), so only agreement is reported."""
+    from experiments.edit_in_transplant import headline, table
+    stat = {"mean": 300.0, "ci_low": 1.0, "ci_high": 600.0, "n": 10, "n_clusters": 10}
+    agree = {"mean": 1.0, "ci_low": 0.69, "ci_high": 1.0, "n": 10, "n_clusters": 10}
+    block = {"normal": {"recovery": stat, "p_correct": agree}, "composed": {"recovery": stat, "p_correct": agree},
+             "agreement": agree}
+    summary = {"n_instances": 10, "n_included": 0, "methods": {"in_place": block, "full_reprefill": block},
+               "no_rotation_erratum": {"agreement": agree, "p_correct": agree}, "checks_max": {"gap": 0.0}}
+    line, text = headline(summary), table(summary)
+    assert "recovery undefined" in line and "300" not in line and "in_place 1.00" in line
+    assert "300" not in text and "n/a (no gate)" in text
+    summary["n_included"] = 10
+    assert "rec +300.00/+300.00" in headline(summary) and "over gated (n 10)" in headline(summary)
