@@ -117,7 +117,14 @@ def task_template_sha(cfg: RunConfig) -> str:
     from kvprobe.cache_dir import project_path
 
     path = project_path(cfg.task.generator.words if cfg.task.generator else cfg.task.template)
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.exists() else ""
+    if not path.exists():
+        return ""
+    if cfg.task.generator or path.suffix not in (".yaml", ".yml"):
+        return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    from kvprobe.tasks.gated import template_chain
+
+    chain = template_chain(path)  # a template that extends another hashes as the concatenation, child first
+    return hashlib.sha256(b"".join(p.read_bytes() for p in chain)).hexdigest()[:16]
 
 
 def record_hash(cfg: RunConfig, params: BaseModel, template_sha: str | None = None) -> str:

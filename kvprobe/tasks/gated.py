@@ -4,7 +4,9 @@ A context holds a mutable field upstream (SESSION CONTEXT), then a binding rule 
 which action, >= 20 neutral filler rules, the tools, a conversation and the decision prompt. An instance
 is a pair of prompts that differ only in the field's value (old -> new), so the correct action flips.
 
-Templates are YAML (``configs/tasks/gated.yaml``); any file of the same shape works.
+Templates are YAML (``configs/tasks/gated.yaml``); any file of the same shape works. A template may start
+with ``extends: <parent.yaml>``: it keeps the parent's keys unless it sets them, and its ``scenarios`` are
+appended to the parent's (``configs/tasks/polarity_wide.yaml``).
 """
 
 from __future__ import annotations
@@ -60,18 +62,58 @@ class GatedTemplate(BaseModel):
                            f"choose from {', '.join(s.name for s in self.scenarios)}")
 
 
-def load_template(path: str | Path) -> GatedTemplate:
+EXTENDS = "extends"  # a template key: the parent template whose header it reuses and whose scenarios it extends
+
+
+def template_chain(path: str | Path) -> list[Path]:
+    """The template file and, through ``extends:``, each parent it builds on (child first). A run's template
+    hash covers the whole chain, so editing a parent invalidates its children's records too."""
     from kvprobe.cache_dir import project_path
 
+    chain: list[Path] = []
     p = project_path(path)
-    if not p.exists():
-        raise KVProbeError(f"task template {p} does not exist: set task.template to a YAML file like configs/tasks/gated.yaml")
+    while True:
+        if not p.exists():
+            hint = f" (named by {chain[-1]}'s '{EXTENDS}')" if chain else ""
+            raise KVProbeError(f"task template {p} does not exist{hint}: set task.template to a YAML file like "
+                               "configs/tasks/gated.yaml")
+        if p in chain:
+            raise KVProbeError(f"task template {p}: '{EXTENDS}' loops back to itself")
+        chain.append(p)
+        data = yaml.safe_load(p.read_text())
+        parent = data.get(EXTENDS) if isinstance(data, dict) else None
+        if parent is None:
+            return chain
+        p = project_path(parent)
+
+
+def _template_data(chain: list[Path]) -> dict[str, Any]:
+    """Merge a chain root-first: a child's keys replace its parent's, except ``scenarios``, which it appends."""
+    data: dict[str, Any] = {}
+    for p in reversed(chain):
+        child = dict(yaml.safe_load(p.read_text()) or {})
+        child.pop(EXTENDS, None)
+        scenarios = data.get("scenarios", []) + child.pop("scenarios", [])
+        data.update(child)
+        data["scenarios"] = scenarios
+    names = [s.get("name") for s in data["scenarios"] if isinstance(s, dict)]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise KVProbeError(f"task template {chain[0]}: scenario names repeat across '{EXTENDS}': {', '.join(repeated)}; "
+                           "rename the child's")
+    return data
+
+
+def load_template(path: str | Path) -> GatedTemplate:
+    chain = template_chain(path)
     try:
-        return GatedTemplate.model_validate(yaml.safe_load(p.read_text()))
+        return GatedTemplate.model_validate(_template_data(chain))
+    except KVProbeError:
+        raise
     except Exception as exc:  # pydantic.ValidationError or YAML error
         from kvprobe.schema import format_validation_error
 
-        raise KVProbeError(f"task template {p}: {format_validation_error(exc)}") from None
+        raise KVProbeError(f"task template {chain[0]}: {format_validation_error(exc)}") from None
 
 
 @dataclass(frozen=True)
