@@ -77,7 +77,8 @@ def model_color(name: str) -> str:
 
 def short_model(name: str) -> str:
     """Model names short enough for a panel title or tick label."""
-    return (name.replace("qwen2.5-coder-0.5b", "qwen-0.5b").replace("smollm2-135m", "smollm2")
+    return (name.replace("qwen2.5-coder-0.5b", "qwen-0.5b").replace("qwen2.5-coder-1.5b", "qwen-1.5b")
+            .replace("smollm2-135m", "smollm2")
             .replace("-gated-", " org. "))
 
 
