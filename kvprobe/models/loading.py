@@ -423,6 +423,9 @@ def load_model(name: str, device: str | None = "auto", dtype: str | None = "auto
 def weights_available(entry: ModelEntry) -> bool:
     """Whether loading this alias would succeed offline, without loading it."""
     try:
+        gguf_kinds = ("gguf_package", "gguf_split_package", "gguf_assembler")
+        if entry.kind in gguf_kinds and (cache_root() / "dequantized" / entry.alias / ".complete").exists():
+            return True  # load_model reads the dequantized cache and never the packages again
         if entry.kind == "gguf_package":
             return (_package_dir(entry.source) / str(entry.gguf_file)).exists()
         if entry.kind == "gguf_split_package":
