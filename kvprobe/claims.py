@@ -243,6 +243,7 @@ def evaluate(claim: Claim, record: dict[str, Any]) -> dict[str, Any]:
     yet: that waits for the BH q within the claim's family, :func:`claims_rows`)."""
     rows = claim_rows(record)
     used = [r for r in rows if r.get("included")] if claim.gated else list(rows)
+    gate_passed = len(used)
     if claim.only:
         used = [r for r in used if get(r, claim.only)]
     a_path = resolve(claim.a, record)
@@ -270,9 +271,15 @@ def evaluate(claim: Claim, record: dict[str, Any]) -> dict[str, Any]:
     out["n"] = len(used)
     if not used:
         out["status"] = "empty"
-        # A record older than the measure (e.g. before summaries carried row_measures) is not an empty filter.
-        out["notes"].append("inclusion filter empty" if claim.gated and rows and not passed
-                            else "no rows carry this measure (record predates it?)")
+        # Say which filter emptied the set: a record older than the measure (or a config that skipped its arm) is
+        # not an inclusion filter that nothing passed, nor a subset (``only``) the model never entered.
+        if claim.gated and rows and not gate_passed:
+            note = "inclusion filter empty"
+        elif claim.only and gate_passed and not passed:
+            note = f"no row has {claim.only}"
+        else:
+            note = "no rows carry this measure (its arm not run, or the record predates it)"
+        out["notes"].append(note)
         return out
     clusters = _clusters(used)
     n_clusters = len(set(clusters))

@@ -53,6 +53,13 @@ def test_empty_inclusion_filter_and_identity_are_labelled_not_tested():
     empty = evaluate(near("z", "x ~ 0", "0", "x", 0.0, 0.0), _record("e", rows))
     empty["q"] = None
     assert verdict(empty) == "not measurable (inclusion filter empty)" and empty["p"] is None
+    subset = evaluate(Claim("s", "x ~ 0 where decided", "0", "equivalent", "x", only="decides", bounds=(-0.1, 0.1)),
+                      _record("e", _rows(12, x=0.0, decides=False)))
+    subset["q"] = None
+    assert verdict(subset) == "not measurable (no row has decides)"
+    absent = evaluate(near("z", "y ~ 0", "0", "y", 0.0, 0.0), _record("e", _rows(12, x=0.0)))
+    absent["q"] = None
+    assert verdict(absent).startswith("not measurable (no rows carry this measure")
     ident = evaluate(Claim("f", "full = 1", "1.0", "identity", "full", paper_value=1.0),
                      _record("e", _rows(5, full=1.0)))
     ident["q"] = None

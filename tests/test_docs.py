@@ -82,3 +82,14 @@ def test_compare_block_puts_two_models_side_by_side_from_their_report_rows():
         refresh_markdown(f"<!-- kvprobe:headlines {a} -->\nx\n<!-- /kvprobe:headlines -->", REPO / "results")
     with pytest.raises(KVProbeError, match="no records for model 'nope'"):
         compare_rows(REPO / "results", a, "nope")
+
+
+def test_section_table_prints_a_repeated_paper_value_once():
+    """Consecutive rows of one experiment share the paper's value: the first row carries it, the rest say so."""
+    from kvprobe.runner.report import section_table
+
+    table = section_table(REPO / "results", "knockout")
+    paper_cells = [line.rsplit(" | ", 1)[-1].rstrip(" |") for line in table.splitlines()[2:]]
+    assert len(paper_cells) >= 2
+    assert paper_cells[0] not in ("", "as above")
+    assert all(cell == "as above" for cell in paper_cells[1:] if cell)

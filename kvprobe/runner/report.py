@@ -191,7 +191,11 @@ def headline_table(results_dir: str | Path = "results", experiment: str = "local
 def section_table(results_dir: str | Path, *experiments: str) -> str:
     if not experiments:
         raise KVProbeError("the block 'kvprobe:section' takes experiment names: <!-- kvprobe:section locality -->")
-    return markdown_table(study_rows(results_dir, experiments), STUDY_COLUMNS)
+    rows = study_rows(results_dir, experiments)
+    # the paper's value repeats on every model's row of one experiment: print it once per run of equal values
+    shown = [row[:-1] + ["as above" if i and row[-1] and row[-1] == rows[i - 1][-1] else row[-1]]
+             for i, row in enumerate(rows)]
+    return markdown_table(shown, STUDY_COLUMNS)
 
 
 def study_table(results_dir: str | Path = "results") -> str:
