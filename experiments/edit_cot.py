@@ -23,9 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvprobe.claims import KVPROBE_RATE_BOUND, Claim
 from kvprobe.kv import edit
-from kvprobe.kv.decode import greedy_chain
 from kvprobe.patching.pairs import Anchors
-from kvprobe.probes.chain import last_action
+from kvprobe.probes.chain import chain_decision
 from kvprobe.probes.edit_summary import (base_row, edit_case, edit_gate_summary, format_methods_table,
                                          method_entry, methods_headline, methods_summary, read_ld)
 from kvprobe.runner.experiment import Context, Experiment
@@ -81,23 +80,17 @@ def run_instance(ctx: Context, inst: Any) -> dict[str, Any]:
     cue = tok(p.cot_cue, add_special_tokens=False)["input_ids"]
     answer = tok(p.answer_cue if p.answer_cue is not None else "\n" + inst.answer_prefix,
                  add_special_tokens=False)["input_ids"]
-    stops = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    actions, action_ids = (inst.new_action, inst.old_action), (pair.new_action_id, pair.old_action_id)
     methods: dict[str, Any] = {}
     chains: dict[str, Any] = {}
     for m, res in edits.items():
         methods[f"direct/{m}"] = method_entry(anchor, read_ld(lm, pair, res.state, res.suffix_ids), res)
-        state, chain = greedy_chain(lm, res.state, cue, p.chain_tokens, stops)
-        text = tok.decode(chain, skip_special_tokens=True)
-        forced = read_ld(lm, pair, state, answer)
-        parsed = last_action(text, (inst.old_action, inst.new_action))
-        chains[m] = {"forced_ld": forced, "parsed": parsed, "text": text, "n_tokens": len(chain),
-                     "decided_by": "chain" if parsed else "forced"}
+        chains[m] = chain_decision(lm, res.state, cue, answer, p.chain_tokens, actions, action_ids)
     cot_anchor = Anchors(chains["stale"]["forced_ld"], chains["full_reprefill"]["forced_ld"]) \
         if {"stale", "full_reprefill"} <= set(chains) else anchor
     for m, ch in chains.items():
         entry = method_entry(cot_anchor, ch["forced_ld"], edits[m])
-        entry.update({"forced_correct": entry["correct"], "correct": (ch["parsed"] or
-                      (inst.new_action if ch["forced_ld"] > 0 else inst.old_action)) == inst.new_action,
+        entry.update({"forced_correct": entry["correct"], "correct": ch["decision"] == inst.new_action,
                       "parsed": ch["parsed"], "decided_by": ch["decided_by"], "chain_tokens": ch["n_tokens"],
                       "chain": ch["text"]})
         methods[f"cot/{m}"] = entry
