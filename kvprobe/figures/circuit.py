@@ -36,7 +36,7 @@ def fig15a_heads(records: list[dict[str, Any]], path: Path) -> None:
     """(a) joint top-k read vs write heads with random-head controls; (f) per-head read effect by layer."""
     per_model = latest_per_model(records)
     n = len(per_model)
-    fig = plt.figure(figsize=(6.5, 5.6))
+    fig = plt.figure(figsize=(7.2, 5.8))
     grid_spec = fig.add_gridspec(2, max(n, 1), height_ratios=(1.1, 1))
     a = fig.add_subplot(grid_spec[0, :])
     fig.suptitle("Read and write heads (paper Fig. 15a/f)", fontsize=10)
@@ -61,8 +61,9 @@ def fig15a_heads(records: list[dict[str, Any]], path: Path) -> None:
                 grid[e["layer"], e["q_head"]] = e[w]["mean"]
         lim = np.nanmax(np.abs(grid)) if np.isfinite(grid).any() else 1.0
         im = ax.imshow(grid, aspect="auto", cmap="RdBu_r", vmin=-lim, vmax=lim, origin="lower")
-        ax.set_title(f"{short_model(name)}\nread heads by layer", fontsize=7)
-        ax.set_xlabel(f"query head ({s['group_size']} per KV head)", fontsize=6)
+        # an organism's short name is two words long: one per line keeps four panels' titles apart
+        ax.set_title(short_model(name).replace(" org. ", " org.\n") + "\nread heads", fontsize=6.5)
+        ax.set_xlabel(f"query head ({s['group_size']}/KV head)", fontsize=6)
         ax.set_ylabel("layer", fontsize=7)
         ax.tick_params(labelsize=6)
         cbar = fig.colorbar(im, ax=ax, fraction=0.08)
