@@ -28,3 +28,14 @@ def test_rendering_is_idempotent(tmp_path):
     draw([r for r in published if r["experiment"] == experiment], tmp_path / "b.png")
     assert (tmp_path / "a.png").read_bytes() == (tmp_path / "b.png").read_bytes()
     assert (tmp_path / "a.png").read_bytes() == (REPO / "figures" / "fig3a_locality.png").read_bytes()
+
+
+def test_the_claims_forest_draws_every_study_model():
+    """The forest once kept four models and silently dropped the fifth (the recommended Qwen2 organism)."""
+    from kvprobe.figures.claims import forest_models
+    from kvprobe.runner.report import published
+    from kvprobe.study import study_models
+
+    drawn = forest_models(published(REPO / "results"))
+    assert drawn == [m for m in study_models() if m in {r["model"]["name"] for r in published(REPO / "results")}]
+    assert len(drawn) == len(study_models())

@@ -11,9 +11,9 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 
-from kvprobe.figures.common import save, short_model, tagged
+from kvprobe.figures.common import model_color, save, short_model, tagged
 
-MODEL_COLORS = ("#1b6ca8", "#d1495b", "#2e8b57", "#8d6a9f")  # four study models at most per panel
+MAX_MODELS = 6  # markers of one row are offset vertically; more than six would run into the next row
 SHAPES = {"reproduced": ("o", True), "not reproduced": ("X", True), "outside the paper's range": ("D", True),
           "inconclusive": ("s", False), "not measurable": ("o", False)}
 XLIM = (-0.3, 1.3)
@@ -37,15 +37,23 @@ def _verdict(v: str) -> str:
     return next((k for k in SHAPES if v.startswith(k)), "not measurable")
 
 
+def forest_models(published: list[dict[str, Any]]) -> list[str]:
+    """The models the forest draws: the study's, in study order, that have a published record here."""
+    from kvprobe.study import study_models
+
+    present = {r["model"]["name"] for r in published}
+    return [m for m in study_models() if m in present][:MAX_MODELS] or sorted(present)[:MAX_MODELS]
+
+
 def fig_claims(records: list[dict[str, Any]], path: Path) -> None:
     from kvprobe.runner.pages import EXPERIMENT_ORDER
-    from kvprobe.study import main_records, published_records, study_models
+    from kvprobe.study import main_records, published_records
 
     # the study's published records; a folder with none (a scratch folder, a test) is drawn from its own records
     published = records if records and all("_task" in r for r in records) else \
         published_records(records) or tagged(records)
-    present = {r["model"]["name"] for r in published}
-    models = [m for m in study_models() if m in present][:len(MODEL_COLORS)] or sorted(present)[:len(MODEL_COLORS)]
+    models = forest_models(published)
+    colors = [model_color(m) for m in models]  # the same colour as in every other figure
     main = {k: _key(r.get("_path")) for k, r in main_records(published).items()}
     rows: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {}
     paper: dict[tuple[str, str, str], float | None] = {}
@@ -77,8 +85,8 @@ def fig_claims(records: list[dict[str, Any]], path: Path) -> None:
                 continue
             shape, filled = SHAPES[_verdict(row["verdict"])]
             x = min(max(mean, XLIM[0]), XLIM[1])
-            ax.plot([x], [y + (m - 1.5) * 0.13], marker=shape, ls="", ms=4.5, color=MODEL_COLORS[m],
-                    mfc=MODEL_COLORS[m] if filled else "white", mew=1.0)
+            ax.plot([x], [y + (m - (len(models) - 1) / 2) * 0.13], marker=shape, ls="", ms=4.5, color=colors[m],
+                    mfc=colors[m] if filled else "white", mew=1.0)
     n_effects = sum(k[0] == "effect" for k in keys)
     if n_effects < len(keys):
         ax.axhline(len(keys) - n_effects - 0.5, color="black", lw=0.8)
@@ -92,7 +100,7 @@ def fig_claims(records: list[dict[str, Any]], path: Path) -> None:
     ax.tick_params(axis="x", labelsize=7)
     ax.set_xlabel("our mean (recovery, rate or cosine), clipped to the axis;  |  the paper's value", fontsize=6)
     handles = [plt.Line2D([], [], color=c, marker="o", ls="", label=short_model(m))
-               for m, c in zip(models, MODEL_COLORS)]
+               for m, c in zip(models, colors)]
     handles += [plt.Line2D([], [], color="black", marker=s, ls="", mfc="black" if f else "white", label=v)
                 for v, (s, f) in SHAPES.items()]
     ax.legend(handles=handles, fontsize=6, ncol=3, loc="lower center", bbox_to_anchor=(0.35, 1.0), frameon=False)
