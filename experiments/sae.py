@@ -261,7 +261,8 @@ def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
         rep["reconstruction_notes"] = _note_ev(ctx, sae, site, held)
         if p.n_dead_tokens:
             dead_seqs = saelib.neutral_sequences(ctx.lm.tokenizer, p.n_dead_tokens, 256)
-            rep["dead_over_neutral"] = saelib.count_alive(ctx.lm, sae, site, p.layer, dead_seqs, p.skip_first)
+            rep["dead_over_neutral"] = saelib.count_alive(ctx.lm, sae, site, p.layer, dead_seqs, p.skip_first,
+                                                          progress=ctx.progress)
         rep["features"] = _auc_report(ctx, sae, site, train, held)
         acts = saelib.collect(ctx.lm, eval_seqs, site, p.layer)
         task = [ctx.scratch["cases"][r["index"]][0].pp.pair.ids_new for r in held[:4]]

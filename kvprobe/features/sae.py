@@ -259,7 +259,7 @@ class _Stop(Exception):
 
 @torch.no_grad()
 def count_alive(lm: HookableModel, sae: Any, site: str, layer: int, sequences: Sequence[Sequence[int]], skip_first: int = 0,
-                batch: int = 8) -> dict[str, Any]:
+                batch: int = 8, progress: bool = False) -> dict[str, Any]:
     """Features that fire at least once over the sequences' tokens (the first ``skip_first`` of each left out),
     streamed in batches of equal-length sequences (nothing kept but the running mask); the forward pass stops
     at the site's layer."""
@@ -271,9 +271,13 @@ def count_alive(lm: HookableModel, sae: Any, site: str, layer: int, sequences: S
         got["a"] = act.detach().float().cpu()
         raise _Stop
 
+    from tqdm.auto import tqdm
+
     n = 0
+    starts = tqdm(range(0, len(sequences), batch), desc=f"dead features ({site}, {sum(map(len, sequences))} tokens)",
+                  unit="batch", disable=not progress, leave=False)
     with on_site(lm, site, layer, keep):
-        for i in range(0, len(sequences), batch):
+        for i in starts:
             chunk = [list(x) for x in sequences[i:i + batch]]
             groups: dict[int, list[list[int]]] = {}
             for ids in chunk:

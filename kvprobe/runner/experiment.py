@@ -46,6 +46,7 @@ class Context:
     template: Any = None
     scratch: dict[str, Any] = field(default_factory=dict)  # per-run state set by setup()
     instances: list[Any] = field(default_factory=list)  # the run's instances, once built (summaries may revisit them)
+    progress: bool = False  # the run shows progress bars: a long pass in setup or summarize may show its own
 
 
 @dataclass(frozen=True)
@@ -230,7 +231,7 @@ def _run_experiment(cfg: RunConfig, overwrite: bool, fresh: bool, lm: ModelLike 
         lm = as_lm(lm)  # a TransformerLens bridge or nnsight model the user already holds
     t_load = time.perf_counter() - t0
     torch.manual_seed(cfg.seed)
-    ctx = Context(cfg=cfg, params=params, lm=lm)
+    ctx = Context(cfg=cfg, params=params, lm=lm, progress=progress)
     instances = (exp.make_instances or default_instances)(ctx)
     ctx.instances = instances
     run["n_instances"] = len(instances)
@@ -247,6 +248,8 @@ def _run_experiment(cfg: RunConfig, overwrite: bool, fresh: bool, lm: ModelLike 
         row["seconds"] = round(time.perf_counter() - ti, 4)
         writer.add_row(row)
     rows = [writer.done[i.index] for i in instances]
+    if progress:  # some summaries make passes of their own (cross-fitting, SAE evaluation): say the run goes on
+        tqdm.write(f"{exp.name}: summarizing {len(rows)} instances")
     summary = exp.summarize(ctx, rows)
     t_run = time.perf_counter() - t1
     record = {
