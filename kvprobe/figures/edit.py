@@ -90,8 +90,9 @@ def fig17_selective_k(records: list[dict[str, Any]], path: Path) -> None:
             continue
         color = model_color(name)
         ks = [s["k"] for s in sweep]
+        k_star = rec["summary"]["k_star"]  # None: no K in the sweep reaches the recovery threshold
         ax.plot(ks, [s["p_correct"] for s in sweep], "-o", color=color, ms=3,
-                label=f"{_tag(name, rec['summary'])}, K*={rec['summary']['k_star']}")
+                label=f"{_tag(name, rec['summary'])}, K* " + (f"= {k_star}" if k_star is not None else f"> {max(ks)}"))
         ax.plot(ks, [s["recovery"] for s in sweep], "--", color=color, lw=0.8)
     ax.set_xscale("log", base=2)
     ax.axhline(1, color="black", lw=0.4, ls=":")
