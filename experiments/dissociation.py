@@ -50,16 +50,11 @@ def claims_on(template: str) -> tuple[Claim, ...]:
     """The Tab. 4 (left) claims on one polarity template: polarity.yaml's 12 scenarios, or polarity_wide.yaml's
     36 (the same 12 plus 24), which gives the cluster-level test the scenarios it needs."""
     return (near("trigger_only_zero", "trigger-only recovery ~ 0 (field held identical)",
-                 "-0.007 / -0.007 / +0.007 (Qwen3-8B / 4B / Llama-3.1-8B); +-0.1 is kvprobe's margin",
-                 "trigger_only", 0.0, 0.0, template=template, paper_range=(-0.007, 0.007), role="effect",
-                 location="Tab. 4 (left)", paper_n="36 per model (18 on Gemma-2 / Mistral, Tab. 3)"),
+                 "trigger_only", 0.0, template=template, in_paper_range=True, role="effect"),
             near("notes_one", "notes recovery ~ 1 (field held identical)",
-                 "1.004 / 1.009 / 0.998 (Qwen3-8B / 4B / Llama-3.1-8B); +-0.1 is kvprobe's margin",
-                 "notes", 1.0, 1.0035, template=template, paper_range=(0.998, 1.009), role="effect",
-                 location="Tab. 4 (left)", paper_n="36 per model (18 on Gemma-2 / Mistral, Tab. 3)"),
-            Claim("trigger_and_notes_one", "trigger+notes = oracle", "1 (construction)", "identity",
-                  "trigger_and_notes", paper_value=1.0, template=template, role="control",
-                  location="Tab. 4 (left), by construction"))
+                 "notes", 1.0, template=template, in_paper_range=True, role="effect"),
+            Claim("trigger_and_notes_one", "trigger+notes = oracle", "identity",
+                  "trigger_and_notes", template=template, role="control"))
 
 
 EXPERIMENT = Experiment(name="dissociation", doc=__doc__, run_instance=run_instance, summarize=summarize_rows,

@@ -121,29 +121,16 @@ EXPERIMENT = Experiment(name="edit_cot", doc=__doc__, params=Params, run_instanc
                         summarize=summarize_rows, table=lambda s: format_methods_table(s, list(s["methods"])),
                         headline=lambda s: methods_headline(s),
                         paper={"gated": "in_place: 1.00 with CoT, 0.00 without; the erratum fixes both (Fig. 2c)"},
-                        claims=(Claim("cot_in_place_vs_direct", "in_place is correct with a chain, not without (paired)",
-                                      "1.00 vs 0.00 (Qwen3-8B, sampled thinking; other released Qwen3-8B in-place-"
-                                      "with-CoT runs give 0.42-1.00)", "greater", "methods.cot/in_place.correct",
-                                      "methods.direct/in_place.correct", paper_value=1.0, role="effect",
-                                      location="Sec. 4, Fig. 2c", paper_n="48/48 with CoT (8 tasks x 6 samples) vs "
-                                      "0/8 without"),
+                        claims=(Claim("cot_in_place_vs_direct", "in_place is correct with a chain, not without (paired)", "greater", "methods.cot/in_place.correct",
+                                      "methods.direct/in_place.correct", role="effect"),
                                 Claim("cot_in_place_vs_reprefill", "with a chain, in_place decides as full reprefill",
-                                      "1.00 (Qwen3-8B; 48/48, 95% CI [0.93, 1.00]); the paper tests no equivalence "
-                                      "here: the 0.97 bound is kvprobe's own (48/48 gives p = 0.23 against it)",
-                                      "agrees", "methods.cot/in_place.correct", "methods.cot/full_reprefill.correct",
-                                      paper_value=1.0, bound=KVPROBE_RATE_BOUND, role="effect",
-                                      location="Sec. 4, Fig. 2c", paper_n="48 (8 tasks x 6 samples)"),
+                                      "agrees", "methods.cot/in_place.correct", "methods.cot/full_reprefill.correct", bound=KVPROBE_RATE_BOUND, role="effect"),
                                 Claim("direct_field_erratum_vs_reprefill", "without a chain, field+erratum decides as "
-                                      "full reprefill", "field+erratum 1.00 (Qwen3-8B, thinking off; 8/8, 95% CI "
-                                      "[0.63, 1.00]); the 0.97 bound is kvprobe's own (8/8 cannot pass it)", "agrees",
-                                      "methods.direct/field_erratum.correct", "methods.direct/full_reprefill.correct",
-                                      paper_value=1.0, bound=KVPROBE_RATE_BOUND, role="effect", location="Tab. 6",
-                                      paper_n="8 (one instance per task)"),
+                                      "full reprefill", "agrees",
+                                      "methods.direct/field_erratum.correct", "methods.direct/full_reprefill.correct", bound=KVPROBE_RATE_BOUND, role="effect"),
                                 # Fig. 2c's chain arm is the bare erratum (0.98, 47/48): the paper has no number
                                 # for field+erratum under a chain, so this row is described, not tested.
                                 Claim("cot_field_erratum_vs_reprefill", "with a chain, field+erratum P(correct) minus "
-                                      "full reprefill's (described)", "no paper number for field+erratum under a "
-                                      "chain; Fig. 2c's chain arm is the bare erratum, 0.98 (47/48, Qwen3-8B)",
+                                      "full reprefill's (described)",
                                       "describe", "methods.cot/field_erratum.correct",
-                                      "methods.cot/full_reprefill.correct", role="effect", location="Fig. 2c",
-                                      paper_n="47/48 for the bare erratum (another arm)")))
+                                      "methods.cot/full_reprefill.correct", role="effect")))

@@ -96,16 +96,10 @@ EXPERIMENT = Experiment(name="edit_wording", doc=__doc__, params=Params, run_ins
                         # thinking on, n = 36); kvprobe appends it as an erratum over a stale cache and reads
                         # directly. The paper has no number for that condition: these rows are described only.
                         claims=(*(Claim(f"{w}_correct", f"erratum ({w.replace('_', ' ')}) over a stale cache: "
-                                        "P(correct) (described)", f"no paper number for an erratum over a stale cache; "
-                                        f"Fig. 3d (wording added to a context already holding the new value, after a "
-                                        f"chain, Qwen3-8B): {paper}", "describe", f"methods.erratum/{w}.correct",
-                                        role="effect", location="Sec. 3, Fig. 3d", paper_n="36 (Fig. 3d)")
-                                  for w, paper in (("bare_value", "1.00"), ("tagged_update", "1.00"),
-                                                   ("explicit_override", "0.97 (35/36)"))),
+                                        "P(correct) (described)", "describe", f"methods.erratum/{w}.correct",
+                                        role="effect")
+                                  for w in ("bare_value", "tagged_update", "explicit_override")),
                                 Claim("override_vs_aggressive", "explicit override minus the aggressive \"re-evaluate\" "
-                                      "wording, P(correct) over a stale cache (described)", "no paper number for an "
-                                      "erratum over a stale cache; Fig. 3d: 0.97 vs 0.81, a gap of ~0.17 (the "
-                                      "released aggressive line voids earlier conclusions without stating the value)",
+                                      "wording, P(correct) over a stale cache (described)",
                                       "describe", "methods.erratum/explicit_override.correct",
-                                      "methods.erratum/aggressive.correct", role="effect", location="Sec. 3, Fig. 3d",
-                                      paper_n="36 (Fig. 3d)")))
+                                      "methods.erratum/aggressive.correct", role="effect")))

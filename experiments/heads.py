@@ -172,34 +172,22 @@ EXPERIMENT = Experiment(name="heads", doc=__doc__, params=Params, run_instance=r
                                         "0.70/0.78 at k=1/3/5/8/12 (Llama-3.1-8B; top-12 0.77/0.72/0.82 on Qwen3-8B/"
                                         "Gemma-2-9B/Mistral-7B; random heads ~0); write heads at the single top "
                                         "aggregator saturate at 0.28/0.08/0.24/0.11 (Tab. 5)"},
-                        claims=(near("read_top12_in_range", "top-12 read heads jointly recover in the paper's range",
-                                     "0.78 (Llama-3.1-8B); 0.77/0.72/0.82 (Qwen3-8B/Gemma-2-9B/Mistral-7B); polarity "
-                                     "task; +-0.1 is kvprobe's margin", "read_top.12", 0.77, 0.78,
-                                     paper_range=(0.72, 0.82), role="effect", location="App. D (1), Tab. 5",
-                                     paper_n="12 instances per model (App. D intro)"),
+                        claims=(near("read_top12_in_range", "top-12 read heads jointly recover in the paper's range", "read_top.12", 0.77,
+                                     in_paper_range=True, role="effect"),
                                 Claim("read_top12_dose", "the read-head dose curve rises: top-8 recover more than "
-                                      "the top-1 (paired)", "0.70 at k=8 vs 0.19 at k=1 (Llama-3.1-8B, polarity task)",
-                                      "greater", "read_top.8", "read_top.1", paper_value=0.51, role="effect",
-                                      location="App. D (1)", paper_n="12 instances (App. D intro)"),
+                                      "the top-1 (paired)",
+                                      "greater", "read_top.8", "read_top.1", role="effect"),
                                 # The paper's released random control is single random heads (6 per instance), not
                                 # 12 patched jointly as here; heads are ranked on the instances they are scored on.
-                                Claim("read_top12_vs_random12", "top-12 read heads beat 12 random heads (paired)",
-                                      "0.78 vs 0.00 (Llama-3.1-8B); the paper's random control is single random "
-                                      "heads, not 12 jointly", "greater", "read_top.12", "read_random.12",
-                                      paper_value=0.78, role="control", location="Tab. 5, Sec. 3"),
-                                near("read_random12_zero", "12 random read heads recover ~ 0",
-                                     "~0 on all four families (single random heads, not 12 jointly); +-0.1 is "
-                                     "kvprobe's margin", "read_random.12", 0.0, 0.0, role="control",
-                                     location="App. D (1), Tab. 5"),
-                                Claim("read_all_one", "every head's output patched recovers 1", "1 (construction)",
-                                      "identity", "identity.read_all", paper_value=1.0, role="control",
-                                      location="by construction"),
+                                Claim("read_top12_vs_random12", "top-12 read heads beat 12 random heads (paired)", "greater", "read_top.12", "read_random.12", role="control"),
+                                near("read_random12_zero", "12 random read heads recover ~ 0", "read_random.12", 0.0, role="control"),
+                                Claim("read_all_one", "every head's output patched recovers 1",
+                                      "identity", "identity.read_all", role="control"),
                                 # discriminating controls of the in-sample rows: the top-12 read heads ranked on
                                 # the other scenario fold, so they cannot win by selection on the scored instance
                                 Claim("crossfit_read_top12_vs_random12", "top-12 read heads ranked on the other "
-                                      "scenario fold beat 12 random heads (paired)", "0.78 vs 0.00 (Llama-3.1-8B; "
-                                      "Tab. 5; in-sample ranking)", "greater", "crossfit.read_top12",
-                                      "read_random.12", paper_value=0.78, role="control", location="App. D (1), Tab. 5"),
+                                      "scenario fold beat 12 random heads (paired)", "greater", "crossfit.read_top12",
+                                      "read_random.12", role="control"),
                                 near("crossfit_read_top12_in_range", "top-12 read heads ranked on the other scenario "
-                                     "fold recover in the paper's range", "0.72-0.82 (Tab. 5; in-sample ranking)",
-                                     "crossfit.read_top12", 0.77, 0.78, paper_range=(0.72, 0.82), role="control", location="App. D (1), Tab. 5")))
+                                     "fold recover in the paper's range",
+                                     "crossfit.read_top12", 0.77, in_paper_range=True, role="control")))

@@ -139,20 +139,14 @@ EXPERIMENT = Experiment(name="knockout", doc=__doc__, params=Params, run_instanc
                         # decision to the new value (P(correct) 0.00 -> 0.25 -> 1.00 at 0 / 10 / 25% masked, n = 12,
                         # Qwen3-8B). The two disagree in direction; kvprobe's knockout follows the prose.
                         claims=(Claim("knockout_dose", "knocking out more top-effect tokens moves the decision "
-                                      "further toward stale: top-8 more than top-1 (paired)", "\"the effect grows "
-                                      "with the number/position of memoizing tokens\" (no number); the released "
-                                      "records run the other direction (attention masking in the field-only state "
-                                      "moves the decision to the new value, 0.00 -> 1.00 at 25% masked)", "greater",
-                                      "knockout_top.8", "knockout_top.1", role="effect", location="Sec. 3 (4)",
-                                      paper_n="no number in the text; released attention-knockout n = 12"),
+                                      "further toward stale: top-8 more than top-1 (paired)", "greater",
+                                      "knockout_top.8", "knockout_top.1", role="effect"),
                                 # ranked on the instances it is scored on, and nearly the complement of the suffix patch
                                 Claim("knockout_top8_vs_rand8", "knocking out the top-8 moves the decision toward "
-                                      "stale more than 8 random", "returns to stale (prose, no number; the released "
-                                      "records run the other direction)", "greater", "knockout_top.8",
-                                      "knockout_random.8", role="control", location="Sec. 3 (4)"),
+                                      "stale more than 8 random", "greater", "knockout_top.8",
+                                      "knockout_random.8", role="control"),
                                 # a discriminating control (cross-fitted: the knocked-out top-8 is ranked on the other
                                 # scenario fold, so it cannot win by selection on the scored instance).
                                 Claim("crossfit_knockout_top8_vs_rand8", "knocking out the top-8 ranked on the "
-                                      "other scenario fold moves the decision toward stale more than 8 random",
-                                      "returns to stale (no number)", "greater", "crossfit.top8",
-                                      "knockout_random.8", role="control", location="Sec. 3 (4)"),))
+                                      "other scenario fold moves the decision toward stale more than 8 random", "greater", "crossfit.top8",
+                                      "knockout_random.8", role="control"),))

@@ -56,32 +56,18 @@ EXPERIMENT = Experiment(name="locality", doc=__doc__, params=Params, run_instanc
                                "conversational": "field-only -0.012 to +0.054, full-downstream 1.00",
                                "attribute": "field-only 0.25-0.63 (the field is partly a copy)"},
                         claims=(
-                            near("field_only_zero", "field-only recovery ~ 0", "-0.028 (Llama-3.1-8B); near zero "
-                                 "across models (released gated records: Qwen3-8B 0.009, Gemma-2 0.001, Mistral "
-                                 "0.004); +-0.1 is kvprobe's margin", "field_only", 0.0, -0.028, role="effect",
-                                 location="Sec. 3 (1)", paper_n="Llama 4 (2 scenarios x 2); released records per "
-                                 "model n = 4-12"),
+                            near("field_only_zero", "field-only recovery ~ 0", "field_only", 0.0, role="effect"),
                             # The abstract's headline, as its own claim: |field-only| under 1% of the decision. It
                             # holds on 6 of the 9 released model/task records (Qwen3-4B 0.025, Qwen3-32B 0.023 and
                             # Mistral's cancel/deny task 0.137 break it).
                             near("field_only_under_1pct", "field-only recovery under 1% of the decision",
-                                 "\"under 1% of the decision\" (abstract); the paper's own bound, +-0.01",
-                                 "field_only", 0.0, 0.0, margin=0.01, role="effect", location="Abstract; Sec. 3 (1)",
-                                 paper_n="released records n = 4-36 per model; holds on 6 of 9"),
-                            Claim("full_downstream_one", "full-downstream recovery = 1", "1.0", "identity",
-                                  "full_downstream", paper_value=1.0, role="control",
-                                  location="Sec. 3 (1), by construction"),
-                            Claim("oracle_one", "oracle recovery = 1", "1 (definition)", "identity", "oracle",
-                                  paper_value=1.0, role="control", location="by definition"),
-                            near("field_only_zero", "field-only recovery ~ 0", "multi-hop -0.012 to +0.006; +-0.1 "
-                                 "is kvprobe's margin", "field_only", 0.0, -0.003, template="twohop",
-                                 paper_range=(-0.012, 0.006), role="effect", location="App. C (off-template)",
-                                 paper_n="6 per model (released records)"),
-                            near("field_only_zero", "field-only recovery ~ 0", "natural -0.012 to +0.054; +-0.1 is "
-                                 "kvprobe's margin", "field_only", 0.0, 0.021, template="conversational",
-                                 paper_range=(-0.012, 0.054), role="effect", location="App. C (off-template)",
-                                 paper_n="6 per model (released records)"),
-                            near("field_only_partial", "field-only recovery in the paper's range", "0.25-0.63 (the "
-                                 "field is partly a copy); +-0.1 is kvprobe's margin", "field_only", 0.44, 0.44,
-                                 template="attribute", paper_range=(0.25, 0.63), role="effect",
-                                 location="App. C (off-template)", paper_n="6 per model (released records)")))
+                                 "field_only", 0.0, margin=0.01, role="effect"),
+                            Claim("full_downstream_one", "full-downstream recovery = 1", "identity",
+                                  "full_downstream", role="control"),
+                            Claim("oracle_one", "oracle recovery = 1", "identity", "oracle", role="control"),
+                            near("field_only_zero", "field-only recovery ~ 0", "field_only", 0.0, template="twohop",
+                                 in_paper_range=True, role="effect"),
+                            near("field_only_zero", "field-only recovery ~ 0", "field_only", 0.0, template="conversational",
+                                 in_paper_range=True, role="effect"),
+                            near("field_only_partial", "field-only recovery in the paper's range", "field_only", 0.44,
+                                 template="attribute", in_paper_range=True, role="effect")))

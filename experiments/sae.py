@@ -367,25 +367,17 @@ EXPERIMENT = Experiment(name="sae", doc=__doc__, params=Params, run_instance=run
                             # random live features are clamped to the other conclusion's mean: near their current
                             # value for unrelated features, and not norm-matched, so this control can hardly fail
                             Claim("clamp_top10_vs_random", "clamping the top-10 conclusion features at the notes "
-                                  "recovers more than 10 random live features (held-out pairs, paired)",
-                                  "0.50 vs ~0 (Llama-3.1-8B L14, polarity task)", "greater", "held_out_clamp.top10",
-                                  "held_out_clamp.random10", paper_value=0.5, template=stem, role="control",
-                                  location="App. D (3)"),
+                                  "recovers more than 10 random live features (held-out pairs, paired)", "greater", "held_out_clamp.top10",
+                                  "held_out_clamp.random10", template=stem, role="control"),
                             near("clamp_top10_in_range", "clamping the top-10 conclusion features recovers as in "
-                                 "the paper (held-out pairs)", "0.50 (Llama-3.1-8B L14, 16k SAE, polarity task; "
-                                 "0.07 at L24); +-0.1 is kvprobe's margin", "held_out_clamp.top10", 0.5, 0.5,
-                                 template=stem, role="effect", location="App. D (3)",
-                                 paper_n="3 scenarios (released records)"),
+                                 "the paper (held-out pairs)", "held_out_clamp.top10", 0.5,
+                                 template=stem, role="effect"),
                             # decode != cause: the best-decoding feature (AUC 1.00) alone moves the decision ~0
                             near("clamp_top1_zero", "decode is not cause: clamping the single best conclusion "
-                                 "feature recovers ~0 (held-out pairs)", "~0 for the top-1 feature, whose AUC is "
-                                 "1.00 (Llama-3.1-8B L14, polarity task); +-0.1 is kvprobe's margin",
-                                 "held_out_clamp.top1", 0.0, 0.0, template=stem, role="effect",
-                                 location="App. D (3)", paper_n="3 scenarios (released records)"),
+                                 "feature recovers ~0 (held-out pairs)",
+                                 "held_out_clamp.top1", 0.0, template=stem, role="effect"),
                             # a control that can win: 10 random live features moved by the same L2 perturbation
                             # at each note as the top-10 clamp
                             Claim("clamp_top10_vs_norm_matched", "clamping the top-10 conclusion features recovers "
                                   "more than 10 random live features moved by the same L2 perturbation (held-out "
-                                  "pairs, paired)", "0.50 vs ~0 (App. D (3); the paper's random clamp is not "
-                                  "norm-matched)", "greater", "held_out_clamp.top10", "held_out_clamp.matched10",
-                                  paper_value=0.5, template=stem, role="control", location="App. D (3), Fig. 15e"))))
+                                  "pairs, paired)", "greater", "held_out_clamp.top10", "held_out_clamp.matched10", template=stem, role="control"))))

@@ -155,9 +155,4 @@ EXPERIMENT = Experiment(name="timing", doc=__doc__, params=Params, run_instance=
                         # group-CV probe fit over all instances (the summary's ``write_depth``), so the test is each
                         # instance's commit depth against it (one-sided, on cluster means).
                         claims=(Claim("write_before_commit", "the note is written before the decision commits: "
-                                      "commit depth minus write depth > 0", "write 0.31-0.39 vs commit 0.73-0.77 "
-                                      "(Qwen3-8B/4B, Llama-3.1-8B); 0.19-0.26 vs 0.47-0.48 (Gemma-2-9B, Mistral-7B); "
-                                      "smallest gap 0.22", "greater", "commit_depth", "summary.write_depth",
-                                      paper_value=0.22, template="polarity", role="effect",
-                                      location="App. C (ii), Tab. 3", paper_n="66 / 54 / 48 (Qwen3-8B / 4B, Llama; "
-                                      "released records)"),))
+                                      "commit depth minus write depth > 0", "greater", "commit_depth", "summary.write_depth", template="polarity", role="effect"),))

@@ -269,38 +269,26 @@ EXPERIMENT = Experiment(
                     "LoRA flips, 3.1 s, contamination 1.0, collateral 0.5"},
     claims=(
       
-        Claim("weight_edit_field_erratum_flips", "field+erratum flips the target decision", "flips (Tab. 1)",
-              "at_least", "methods.field_erratum.efficacy", paper_value=1.0, bound=0.5, role="effect", location="Table 1, App. I", paper_n="not stated in the text (Llama-3.1-8B)"),
+        Claim("weight_edit_field_erratum_flips", "field+erratum flips the target decision",
+              "at_least", "methods.field_erratum.efficacy", bound=0.5, role="effect"),
       
-        Claim("weight_edit_rome_flips", "ROME flips the target decision", "flips (Tab. 1)", "at_least",
-              "methods.rome.efficacy", paper_value=1.0, bound=0.5, role="effect", location="Table 1, App. I", paper_n="not stated in the text (Llama-3.1-8B)"),
+        Claim("weight_edit_rome_flips", "ROME flips the target decision", "at_least",
+              "methods.rome.efficacy", bound=0.5, role="effect"),
       
-        Claim("weight_edit_lora_flips", "LoRA flips the target decision", "flips (Tab. 1)", "at_least",
-              "methods.lora.efficacy", paper_value=1.0, bound=0.5, role="effect", location="Table 1, App. I", paper_n="not stated in the text (Llama-3.1-8B)"),
+        Claim("weight_edit_lora_flips", "LoRA flips the target decision", "at_least",
+              "methods.lora.efficacy", bound=0.5, role="effect"),
       
-        Claim("weight_edit_rome_contaminates", "ROME contaminates held-out requests more than field+erratum",
-              "1.0 vs 0 (Tab. 1)", "greater", "methods.rome.contamination", "methods.field_erratum.contamination",
-              paper_value=1.0, role="effect", location="Table 1, App. I", paper_n="not stated in the text (Llama-3.1-8B)"),
+        Claim("weight_edit_rome_contaminates", "ROME contaminates held-out requests more than field+erratum", "greater", "methods.rome.contamination", "methods.field_erratum.contamination", role="effect"),
       
-        Claim("weight_edit_lora_contaminates", "LoRA contaminates held-out requests more than field+erratum",
-              "1.0 vs 0 (Tab. 1)", "greater", "methods.lora.contamination", "methods.field_erratum.contamination",
-              paper_value=1.0, role="effect", location="Table 1, App. I", paper_n="not stated in the text (Llama-3.1-8B)"),
+        Claim("weight_edit_lora_contaminates", "LoRA contaminates held-out requests more than field+erratum", "greater", "methods.lora.contamination", "methods.field_erratum.contamination", role="effect"),
       
-        Claim("weight_edit_rome_collateral", "ROME changes unrelated decisions more than field+erratum",
-              "0.5 vs 0 (Tab. 1)", "greater", "methods.rome.collateral", "methods.field_erratum.collateral",
-              paper_value=0.5, role="effect", location="Table 1, App. I", paper_n="not stated in the text (Llama-3.1-8B)"),
+        Claim("weight_edit_rome_collateral", "ROME changes unrelated decisions more than field+erratum", "greater", "methods.rome.collateral", "methods.field_erratum.collateral", role="effect"),
       
-        Claim("weight_edit_rome_slower", "a ROME edit takes longer than the erratum (side by side, one run)",
-              "5.6 s vs 114 ms (Tab. 1)", "greater", "methods.rome.latency_s", "methods.erratum.latency_s",
-              paper_value=5.5, role="effect", location="Table 1, App. I", paper_n="not stated in the text (Llama-3.1-8B)"),
+        Claim("weight_edit_rome_slower", "a ROME edit takes longer than the erratum (side by side, one run)", "greater", "methods.rome.latency_s", "methods.erratum.latency_s", role="effect"),
         # (identity: a KV edit never writes the weights)
-        Claim("weight_edit_kv_weights_unchanged", "KV edits leave the weights unchanged (checksum)",
-              "0 contamination, 0 collateral (Tab. 1)", "identity", "methods.field_erratum.weights_unchanged",
-              paper_value=1.0, role="control", location="Table 1, App. I"),
+        Claim("weight_edit_kv_weights_unchanged", "KV edits leave the weights unchanged (checksum)", "identity", "methods.field_erratum.weights_unchanged", role="control"),
         # (can fail: a rollback that leaves a residue changes the checksum)
-        Claim("weight_edit_rome_rollback_exact", "rolling ROME back restores the weights byte for byte",
-              "not stated", "at_least", "methods.rome.rollback_exact", bound=1 - ACCURACY_MARGIN, role="control", location="Table 1, App. I"),
+        Claim("weight_edit_rome_rollback_exact", "rolling ROME back restores the weights byte for byte", "at_least", "methods.rome.rollback_exact", bound=1 - ACCURACY_MARGIN, role="control"),
       
-        Claim("weight_edit_lora_rollback_exact", "unloading the LoRA adapter restores the weights byte for byte",
-              "not stated", "at_least", "methods.lora.rollback_exact", bound=1 - ACCURACY_MARGIN, role="control", location="Table 1, App. I"),
+        Claim("weight_edit_lora_rollback_exact", "unloading the LoRA adapter restores the weights byte for byte", "at_least", "methods.lora.rollback_exact", bound=1 - ACCURACY_MARGIN, role="control"),
     ))

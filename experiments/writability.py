@@ -66,18 +66,10 @@ EXPERIMENT = Experiment(name="writability", doc=__doc__, params=Params, run_inst
                         headline=lambda s: headline_stats(s, "inject", {"8": "top-8", "all": "all notes"})
                         + "; follow rate: " + headline_stats(s, "follows", {"all": "all notes"}),
                         paper={"gated": "injection 0.98-1.02, follow rate 1.0 (App. C (iv))"},
-                        claims=(near("inject_all_one", "injecting every note recovers toward the note ~ 1",
-                                     "0.99/0.98/1.02 (Qwen3-8B/4B, Llama-3.1-8B); 0.98-1.0 (Gemma-2, Mistral; "
-                                     "Sec. 3); +-0.1 is kvprobe's margin", "inject.all", 1.0, 1.0,
-                                     paper_range=(0.98, 1.02), role="effect", location="App. C (iv), Sec. 3",
-                                     paper_n="18 per model (4 on Gemma-2 / Mistral)"),
+                        claims=(near("inject_all_one", "injecting every note recovers toward the note ~ 1", "inject.all", 1.0,
+                                     in_paper_range=True, role="effect"),
                                 Claim("follow_rate_all", "the decision follows the injected note (all notes)",
-                                      "follow rate 1.0 (18/18, 95% CI [0.81, 1.00]; Llama's is vacuous: nothing "
-                                      "flips); the 0.97 bound is kvprobe's own (18/18 gives p = 0.58 against it)",
-                                      "at_least", "follows.all", paper_value=1.0, bound=KVPROBE_RATE_BOUND,
-                                      role="effect", location="App. C (iv), Sec. 3",
-                                      paper_n="18 per model (4 on Gemma-2 / Mistral)"),
+                                      "at_least", "follows.all", bound=KVPROBE_RATE_BOUND,
+                                      role="effect"),
                                 Claim("follow_rate_top8", "the top-8 notes already flip most instances",
-                                      "\"most instances\" (no number; released 0.72 / 0.56 / 1.0 vacuous)",
-                                      "at_least", "follows.8", bound=0.5, role="effect", location="App. C (iv)",
-                                      paper_n="18 per model")))
+                                      "at_least", "follows.8", bound=0.5, role="effect")))

@@ -59,7 +59,7 @@ import functools
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -83,34 +83,74 @@ Role = Literal["effect", "control"]
 
 @dataclass(frozen=True)
 class Claim:
-    """One testable statement of the paper about one experiment's rows (see the module docstring)."""
+    """One testable statement of the paper about one experiment's rows (see the module docstring).
+
+    A declaration names what is tested and kvprobe's own bound; the paper's side (its statement, value, n,
+    location and source) is the claim's entry in the registry :mod:`kvprobe.paper`, joined in by
+    :func:`declared_claims` (``paper``, ``paper_value``, ``location``, ``paper_n`` are empty until then)."""
 
     key: str
     text: str
-    paper: str  # the paper's number(s), as stated, with its model and condition
     kind: Kind
     a: str  # dotted path into a row, e.g. "field_only", "cumulative.8", "methods.erratum.correct"
     b: str | float | None = None
-    paper_value: float | None = None  # the paper's value of the tested quantity (a - b, or the rate)
-    bounds: tuple[float, float] | None = None  # equivalence bounds on a - b
-    bound: float | None = None  # rate bound of at_least / agrees
+    bounds: tuple[float, float] | None = None  # kvprobe's equivalence bounds on a - b
+    bound: float | None = None  # kvprobe's rate bound of at_least / agrees
     template: str = "gated"  # task template stem the claim applies to
     gated: bool = True  # over instances that passed the inclusion gate (else all instances)
     role: Role | None = None  # "effect" (one of the paper's effects) or "control" (control, sanity check, identity)
-    location: str = ""  # where in the paper: "Fig. 2c", "App. D (2)", "Tab. 6"
-    paper_n: str | None = None  # the paper's n behind the number ("48/48 (8 tasks x 6 samples)")
     params: tuple[tuple[str, Any], ...] = ()  # record params the claim needs, e.g. (("scheme", "erratum"),)
     only: str | None = None  # a row path that must be true for an instance to count (e.g. "full_correct")
+    margin: float | None = None  # kvprobe's margin around the paper's range (``in_paper_range``)
+    in_paper_range: bool = False  # bounds = the paper's range (from the registry) +- ``margin``
+    # joined from the registry (kvprobe.paper) by declared_claims():
+    paper: str = ""  # the paper's number(s), as stated, with its model and condition
+    paper_value: float | None = None  # the paper's value of the tested quantity (a - b, or the rate)
+    location: str = ""  # where in the paper: "Fig. 2c", "App. D (2)", "Tab. 6"
+    paper_n: str | None = None  # the paper's n behind the number ("48/48 (8 tasks x 6 samples)")
+    paper_id: str | None = None  # the registry entry
 
 
-def near(key: str, text: str, paper: str, a: str, target: float, paper_value: float | None, margin: float =
-         RECOVERY_MARGIN, template: str = "gated", paper_range: tuple[float, float] | None = None,
-         gated: bool = True, b: str | None = None, role: Role | None = None, location: str = "",
-         paper_n: str | None = None, params: tuple[tuple[str, Any], ...] = (), only: str | None = None) -> Claim:
-    """``a`` (or ``a - b``) ~ ``target`` (or within the paper's range), +- ``margin``: a TOST."""
-    lo, hi = paper_range or (target, target)
-    return Claim(key, text, paper, "equivalent", a, b, paper_value, (lo - margin, hi + margin), None, template,
-                 gated, role, location, paper_n, params, only)
+def near(key: str, text: str, a: str, target: float, margin: float = RECOVERY_MARGIN, template: str = "gated",
+         in_paper_range: bool = False, gated: bool = True, b: str | None = None, role: Role | None = None,
+         params: tuple[tuple[str, Any], ...] = (), only: str | None = None) -> Claim:
+    """``a`` (or ``a - b``) ~ ``target`` +- ``margin`` (or within the paper's range +- ``margin``): a TOST."""
+    return Claim(key, text, "equivalent", a, b, (target - margin, target + margin), None, template, gated, role,
+                 params, only, margin, in_paper_range)
+
+
+def paper_id(experiment: str, claim: Claim) -> str:
+    """The claim's id in the registry and the claims table: ``experiment.key``, ``@template`` off the gated task,
+    ``[param=value,...]`` for a variant."""
+    return (f"{experiment}.{claim.key}" + ("" if claim.template == "gated" else f"@{claim.template}")
+            + ("" if not claim.params else "[" + ",".join(f"{k}={v}" for k, v in sorted(claim.params)) + "]"))
+
+
+def bind(experiment: str, claim: Claim) -> Claim:
+    """The claim with its paper side joined from the registry (:mod:`kvprobe.paper`). A claim built with its
+    paper side inline (a test's) keeps it; the experiments' declarations never carry one (a test checks)."""
+    from kvprobe.paper import paper_value as registry_entry
+
+    if claim.paper:
+        return claim
+    pid = paper_id(experiment, claim)
+    entry = registry_entry(pid)
+    bounds = claim.bounds
+    if claim.in_paper_range:
+        if entry.low_high is None:
+            raise ValueError(f"claim {pid} is declared within the paper's range, but its registry entry has no value")
+        lo, hi = entry.low_high
+        bounds = (lo - (claim.margin or 0.0), hi + (claim.margin or 0.0))
+    return replace(claim, paper=entry.statement, paper_value=entry.single, location=entry.location,
+                   paper_n=entry.n, paper_id=pid, bounds=bounds)
+
+
+def declared_claims(experiment: str) -> tuple[Claim, ...]:
+    """An experiment's claims with their paper side joined from the registry; a claim with no entry is an error
+    naming it."""
+    from kvprobe.runner.experiment import get_experiment
+
+    return tuple(bind(experiment, c) for c in get_experiment(experiment).claims)
 
 
 def _slope(values: list[float]) -> float | None:
@@ -495,10 +535,10 @@ def _lineage_fields(model: str) -> dict[str, Any]:
 def claims_rows(records: Sequence[dict[str, Any]], alpha: float = ALPHA) -> list[dict[str, Any]]:
     """Every declared claim on the newest record of each (experiment, template, model, variant), with BH
     q-values within each role's family (effects; controls) and a verdict."""
-    from kvprobe.runner.experiment import available_experiments, get_experiment
+    from kvprobe.runner.experiment import available_experiments
 
     known = available_experiments()
-    claims_of = {name: get_experiment(name).claims for name in sorted(known)}
+    claims_of = {name: declared_claims(name) for name in sorted(known)}
     variant_keys = {name: sorted({k for c in cl for k, _ in c.params}) for name, cl in claims_of.items()}
     out = []
     for rec in latest(records, variant_keys):

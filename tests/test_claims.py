@@ -12,6 +12,13 @@ import re
 from kvprobe.claims import Claim, claims_rows, evaluate, headline, markdown, near, verdict
 from kvprobe.probes.summary import ci_cell, gate_summary, recovery_summary
 
+
+def declared(claim: Claim, paper: str, paper_value: float | None, **fields: str) -> Claim:
+    """A test claim with its paper side given inline (a real experiment's comes from the registry)."""
+    from dataclasses import replace
+
+    return replace(claim, paper=paper, paper_value=paper_value, **fields)
+
 RNG = np.random.default_rng(0)
 
 
@@ -30,7 +37,7 @@ def _record(experiment: str, rows: list[dict], model: str = "m", template: str =
 
 
 def test_equivalence_reproduced_not_reproduced_and_underpowered():
-    claim = near("z", "x ~ 0", "0.0", "x", 0.0, 0.0)
+    claim = declared(near("z", "x ~ 0", "x", 0.0), "0.0", 0.0)
     tight = evaluate(claim, _record("e", _rows(40, x=RNG.normal(0.0, 0.02, 40))))
     tight["q"] = tight["p"]
     assert tight["p"] < 1e-6 and verdict(tight) == "reproduced"
@@ -50,17 +57,17 @@ def test_empty_inclusion_filter_and_identity_are_labelled_not_tested():
     rows = _rows(5, x=0.0, full=1.0)
     for r in rows:
         r["included"] = False
-    empty = evaluate(near("z", "x ~ 0", "0", "x", 0.0, 0.0), _record("e", rows))
+    empty = evaluate(declared(near("z", "x ~ 0", "x", 0.0), "0", 0.0), _record("e", rows))
     empty["q"] = None
     assert verdict(empty) == "not measurable (inclusion filter empty)" and empty["p"] is None
-    subset = evaluate(Claim("s", "x ~ 0 where decided", "0", "equivalent", "x", only="decides", bounds=(-0.1, 0.1)),
+    subset = evaluate(Claim("s", "x ~ 0 where decided", "equivalent", "x", only="decides", bounds=(-0.1, 0.1), paper="0"),
                       _record("e", _rows(12, x=0.0, decides=False)))
     subset["q"] = None
     assert verdict(subset) == "not measurable (no row has decides)"
-    absent = evaluate(near("z", "y ~ 0", "0", "y", 0.0, 0.0), _record("e", _rows(12, x=0.0)))
+    absent = evaluate(declared(near("z", "y ~ 0", "y", 0.0), "0", 0.0), _record("e", _rows(12, x=0.0)))
     absent["q"] = None
     assert verdict(absent).startswith("not measurable (no rows carry this measure")
-    ident = evaluate(Claim("f", "full = 1", "1.0", "identity", "full", paper_value=1.0),
+    ident = evaluate(Claim("f", "full = 1", "identity", "full", paper_value=1.0, paper="1.0"),
                      _record("e", _rows(5, full=1.0)))
     ident["q"] = None
     assert verdict(ident) == "identity (by construction)" and ident["p"] is None
@@ -71,32 +78,30 @@ def test_paired_greater_uses_mcnemar_for_booleans_and_t_for_values():
     a = [True] * 10 + [False] * 2
     b = [False] * 10 + [False] * 2
     rows = _rows(12, methods=[{"e": {"correct": u}, "i": {"correct": v}} for u, v in zip(a, b)])
-    res = evaluate(Claim("g", "e > i", "1 vs 0", "greater", "methods.e.correct", "methods.i.correct",
-                         paper_value=1.0), _record("edit", rows))
+    res = evaluate(Claim("g", "e > i", "greater", "methods.e.correct", "methods.i.correct", paper_value=1.0, paper="1 vs 0"), _record("edit", rows))
     assert res["test"].startswith("McNemar") and res["p"] == pytest.approx(2 * 0.5 ** 10)
     assert res["n_needed"] == 6  # the paper's 1.00 vs 0.00: every pair discordant; 2 * 0.5**6 < 0.05
     top, rand = RNG.normal(0.8, 0.1, 10), RNG.normal(0.0, 0.1, 10)
-    res = evaluate(Claim("t", "top > rand", "0.78 vs 0.01", "greater", "top8", "rand8", paper_value=0.75),
+    res = evaluate(Claim("t", "top > rand", "greater", "top8", "rand8", paper_value=0.75, paper="0.78 vs 0.01"),
                    _record("spec", _rows(10, top8=top, rand8=rand)))
     assert res["test"].startswith("paired t") and res["p"] < 1e-6 and res["ours"]["mean"] == pytest.approx(
         np.mean(top - rand))
     res["q"] = res["p"]
     assert verdict(res) == "reproduced"
-    wrong = evaluate(Claim("t", "rand > top", "", "greater", "rand8", "top8", paper_value=0.75),
+    wrong = evaluate(Claim("t", "rand > top", "greater", "rand8", "top8", paper_value=0.75, paper=""),
                      _record("spec", _rows(10, top8=top, rand8=rand)))
     wrong["q"] = wrong["p"]
     assert not verdict(wrong).startswith("reproduced")
 
 
 def test_rate_claims_are_exact_and_zero_of_twelve_is_not_reproduced():
-    claim = Claim("a", "erratum = reprefill", "1.00 vs 1.00", "agrees", "m.e.correct", "m.r.correct",
-                  paper_value=1.0, bound=0.9)
+    claim = Claim("a", "erratum = reprefill", "agrees", "m.e.correct", "m.r.correct", paper_value=1.0, bound=0.9, paper="1.00 vs 1.00")
     rows = _rows(12, m={"e": {"correct": False}, "r": {"correct": True}})
     res = evaluate(claim, _record("edit", rows))
     res["q"] = res["p"]
     assert res["ours"]["mean"] == 0.0 and res["ours"]["ci_high"] == pytest.approx(0.2646, abs=1e-3)
     assert verdict(res) == "not reproduced (CI below the bound)" and res["n_needed"] == 29
-    agree = evaluate(Claim("s", "agree", "1.00", "at_least", "agree", paper_value=1.0, bound=0.97, gated=False),
+    agree = evaluate(Claim("s", "agree", "at_least", "agree", paper_value=1.0, bound=0.97, gated=False, paper="1.00"),
                      _record("t", _rows(12, agree=1.0)))  # stored as floats 0/1
     agree["q"] = agree["p"]
     assert agree["ours"]["k"] == 12 and verdict(agree).startswith("inconclusive (CI straddles the bound")
@@ -106,8 +111,8 @@ def test_rate_claims_are_exact_and_zero_of_twelve_is_not_reproduced():
 def test_claims_rows_apply_bh_across_claims_and_read_the_newest_record(monkeypatch):
     from kvprobe.runner import experiment as experiment_module
 
-    claims = (near("z", "x ~ 0", "0", "x", 0.0, 0.0), near("y", "y ~ 0", "0", "y", 0.0, 0.0),
-              Claim("t", "twohop only", "0", "identity", "x", paper_value=0.0, template="twohop"))
+    claims = (declared(near("z", "x ~ 0", "x", 0.0), "0", 0.0), declared(near("y", "y ~ 0", "y", 0.0), "0", 0.0),
+              Claim("t", "twohop only", "identity", "x", paper_value=0.0, template="twohop", paper="0"))
 
     class Fake:
         pass
@@ -133,12 +138,17 @@ def test_claims_rows_apply_bh_across_claims_and_read_the_newest_record(monkeypat
 def test_every_declared_claim_names_a_kind_and_identities_are_labelled():
     from kvprobe.runner.experiment import available_experiments, get_experiment
 
-    locality = get_experiment("locality").claims
+    from kvprobe.claims import declared_claims
+
+    locality = declared_claims("locality")
     kinds = {c.key: c.kind for c in locality if c.template == "gated"}
     assert kinds == {"field_only_zero": "equivalent", "field_only_under_1pct": "equivalent",
                      "full_downstream_one": "identity", "oracle_one": "identity"}
     for name in available_experiments():
-        claims = get_experiment(name).claims
+        # the declarations type no paper number: the paper's side comes from the registry (kvprobe.paper)
+        assert all(not c.paper and c.paper_value is None and not c.location and c.paper_n is None
+                   for c in get_experiment(name).claims), name
+        claims = declared_claims(name)
         # one row per (claim, template, model) in the table: a key is declared once per template
         assert len({(c.key, c.template) for c in claims}) == len(claims), name
         for c in claims:
@@ -218,8 +228,7 @@ def test_claims_figure_renders(tmp_path, monkeypatch):
     from kvprobe.runner import experiment as experiment_module
 
     class Fake:
-        claims = (near("z", "x ~ 0", "0", "x", 0.0, 0.0, role="effect"), near("y", "y ~ 0", "0", "y", 0.0, 0.0,
-                                                                           role="control"))
+        claims = (declared(near("z", "x ~ 0", "x", 0.0, role="effect"), "0", 0.0), declared(near("y", "y ~ 0", "y", 0.0, role="control"), "0", 0.0))
 
     monkeypatch.setattr(experiment_module, "available_experiments", lambda: {"fake": "fake"})
     monkeypatch.setattr(experiment_module, "get_experiment", lambda name: Fake())
@@ -252,19 +261,19 @@ def test_clustered_instances_are_tested_on_cluster_means():
     rows = _rows(24, scenarios=6, x=vals, top=vals + 0.5 + RNG.normal(0, 0.05, 24), rand=vals,
                  e=[bool(i % 6 < 5) for i in range(24)], i=False)
     rec = _record("e", rows)
-    tost = evaluate(near("z", "x ~ 0", "0", "x", 0.0, 0.0), rec)
+    tost = evaluate(declared(near("z", "x ~ 0", "x", 0.0), "0", 0.0), rec)
     assert tost["unit"] == "cluster" and tost["n_units"] == 6 and "cluster means" in tost["test"]
     from kvprobe.stats import cluster_means, tost_paired
 
     _, means = cluster_means(vals, [r["scenario"] for r in rows])
     assert tost["p"] == pytest.approx(tost_paired(means, [0.0] * 6, -0.1, 0.1)["p"])
-    t = evaluate(Claim("g", "top > rand", "0.5", "greater", "top", "rand", paper_value=0.5), rec)
+    t = evaluate(Claim("g", "top > rand", "greater", "top", "rand", paper_value=0.5, paper="0.5"), rec)
     assert "cluster means" in t["test"] and t["n_units"] == 6
-    sign = evaluate(Claim("m", "e > i", "1 vs 0", "greater", "e", "i", paper_value=1.0), rec)
+    sign = evaluate(Claim("m", "e > i", "greater", "e", "i", paper_value=1.0, paper="1 vs 0"), rec)
     assert sign["test"].startswith("exact sign test over clusters") and sign["p"] == pytest.approx(2 * 0.5 ** 5)
-    rate = evaluate(Claim("r", "e", "1", "at_least", "e", paper_value=1.0, bound=0.5), rec)
+    rate = evaluate(Claim("r", "e", "at_least", "e", paper_value=1.0, bound=0.5, paper="1"), rec)
     assert rate["k_units"] == 5 and "over clusters" in rate["test"]  # 5 clusters all true, 1 all false
-    few = evaluate(near("z", "x ~ 0", "0", "x", 0.0, 0.0), _record("e", _rows(24, scenarios=3, x=vals)))
+    few = evaluate(declared(near("z", "x ~ 0", "x", 0.0), "0", 0.0), _record("e", _rows(24, scenarios=3, x=vals)))
     assert few["ours"]["ci_low"] is None and "too few clusters" in few["ours"]["ci_note"]
     few["q"] = few["p"]
     assert verdict(few) == "not measurable (too few clusters: 3 < 5)"
@@ -290,8 +299,7 @@ def test_summary_row_measures_reach_the_claims_by_index():
     merged = claim_rows(rec)
     assert [r.get("site") for r in merged[:12]] == [None] * 12 and merged[12]["site"] == held["12"]
     assert "site" not in rows[12]  # the record's own rows are not modified
-    res = evaluate(Claim("g", "dom > random", "0.22 vs 0.01", "greater", "site.dom", "site.random",
-                         paper_value=0.21), rec)
+    res = evaluate(Claim("g", "dom > random", "greater", "site.dom", "site.random", paper_value=0.21, paper="0.22 vs 0.01"), rec)
     assert res["n"] == 12 and res["status"] == "tested" and res["p"] < 1e-6
     assert abs(res["ours"]["mean"] - np.mean([v["dom"] - v["random"] for v in held.values()])) < 1e-12
 
@@ -300,10 +308,9 @@ def test_headline_counts_effects_only_and_bh_runs_within_each_role(monkeypatch):
     from kvprobe.runner import experiment as experiment_module
 
     class Fake:
-        claims = (near("z", "x ~ 0", "0", "x", 0.0, 0.0, role="effect", location="Sec. 3", paper_n="12"),
-                  near("y", "y ~ 0", "0", "y", 0.0, 0.0, role="control", location="App. D"),
-                  Claim("d", "described", "no number", "describe", "x", role="effect", location="Fig. 3d",
-                        paper_n="36"))
+        claims = (declared(near("z", "x ~ 0", "x", 0.0, role="effect"), "0", 0.0, location="Sec. 3", paper_n="12"),
+                  declared(near("y", "y ~ 0", "y", 0.0, role="control"), "0", 0.0, location="App. D"),
+                  Claim("d", "described", "describe", "x", role="effect", location="Fig. 3d", paper_n="36", paper="no number"))
 
     monkeypatch.setattr(experiment_module, "available_experiments", lambda: {"fake": "fake"})
     monkeypatch.setattr(experiment_module, "get_experiment", lambda name: Fake())
@@ -354,17 +361,16 @@ def test_claims_file_is_byte_identical_when_regenerated(tmp_path):
 
 def test_float_agreement_pairs_are_tested_as_booleans_and_summary_constants_as_differences():
     rows = _rows(12, rot=1.0, norot=1.0, commit=RNG.normal(0.75, 0.05, 12))
-    same = evaluate(Claim("r", "rotated > unrotated", "0.78 vs 0.18", "greater", "rot", "norot", paper_value=0.6),
+    same = evaluate(Claim("r", "rotated > unrotated", "greater", "rot", "norot", paper_value=0.6, paper="0.78 vs 0.18"),
                     _record("t", rows))
     same["q"] = same["p"]
     assert same["test"].startswith("McNemar") and same["p"] == 1.0
     assert verdict(same) == "not reproduced (CI at or below zero)"  # no instance differs although n = 12
     rec = _record("timing", rows)
     rec["summary"] = {"write_depth": 0.35}
-    gap = evaluate(Claim("w", "write before commit", "0.38", "greater", "commit", "summary.write_depth",
-                         paper_value=0.22), rec)
+    gap = evaluate(Claim("w", "write before commit", "greater", "commit", "summary.write_depth", paper_value=0.22, paper="0.38"), rec)
     assert gap["b_value"] == 0.35 and gap["ours"]["mean"] == pytest.approx(np.mean([r["commit"] for r in rows]) - 0.35)
     gap["q"] = gap["p"]
     assert verdict(gap) == "reproduced"
     rec["summary"] = {}
-    assert evaluate(Claim("w", "x", "x", "greater", "commit", "summary.write_depth"), rec)["status"] == "empty"
+    assert evaluate(Claim("w", "x", "greater", "commit", "summary.write_depth", paper="x"), rec)["status"] == "empty"
