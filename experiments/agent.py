@@ -210,9 +210,9 @@ EXPERIMENT = Experiment(
                     "speedup up to 14.9x (Fig. 7b); 2.3-4.3x over reprefill-every-turn (Fig. 12b)"},
     claims=(
         Claim("agent_agreement", "the unified agent decides as full recompute every turn", "at_least", "all_agree", bound=1 - ACCURACY_MARGIN,
-              gated=False, role="effect"),
+              gated=False, role="effect", competence=("turns.*.full_correct",)),
         Claim("agent_front_prefix_cache", "the front-placement baseline's prefix cache (reprefill-on-change) decides "
               "as its own full recompute on the last turn",
               "at_least", "baseline_last_turn_agree.front", bound=1 - ACCURACY_MARGIN, gated=False,
-              role="control"),
+              role="control", competence=("turns.*.full_correct",)),
     ))

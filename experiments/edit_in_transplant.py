@@ -196,7 +196,7 @@ def headline(s: dict[str, Any]) -> str:
 
 def _diagonal(name: str, **declared: str) -> Claim:
     return Claim(f"diagonal_{name.replace('@', '_')}", f"composed decides as normal under {name}", "agrees",
-                 f"composed.{name}.correct", f"normal.{name}.correct", bound=1 - ACCURACY_MARGIN, **declared)
+                 f"composed.{name}.correct", f"normal.{name}.correct", bound=1 - ACCURACY_MARGIN, **declared, competence=("oracle_correct",))
 
 
 EXPERIMENT = Experiment(
@@ -211,9 +211,9 @@ EXPERIMENT = Experiment(
         _diagonal("field_erratum", role="effect"),
         Claim("diagonal_recovery_selective_32", "composed recovery equals normal under selective@32", "equivalent", "composed.selective@32.recovery",
               "normal.selective@32.recovery",
-              bounds=(-RECOVERY_MARGIN, RECOVERY_MARGIN), role="effect"),
+              bounds=(-RECOVERY_MARGIN, RECOVERY_MARGIN), role="effect", competence=("oracle_correct",)),
         Claim("composed_erratum_beats_in_place", "inside a transplant, erratum beats in_place P(correct)", "greater", "composed.erratum.correct",
-              "composed.in_place.correct", role="effect"),
+              "composed.in_place.correct", role="effect", competence=("oracle_correct",)),
         Claim("no_rotation_control", "the rotated chunk decides as normal more often than the unrotated one", "greater", "agree.erratum", "agree.no_rotation_erratum",
-              gated=True, role="control"),
+              gated=True, role="control", competence=("oracle_correct",)),
     ))

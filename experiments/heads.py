@@ -173,13 +173,13 @@ EXPERIMENT = Experiment(name="heads", doc=__doc__, params=Params, run_instance=r
                                         "Gemma-2-9B/Mistral-7B; random heads ~0); write heads at the single top "
                                         "aggregator saturate at 0.28/0.08/0.24/0.11 (Tab. 5)"},
                         claims=(near("read_top12_in_range", "top-12 read heads jointly recover in the paper's range", "read_top.12", 0.77,
-                                     in_paper_range=True, role="effect"),
+                                     in_paper_range=True, role="effect", kind="describe", described="in-sample: heads ranked on the instances they are scored on; crossfit_read_top12_in_range is the test"),
                                 Claim("read_top12_dose", "the read-head dose curve rises: top-8 recover more than "
                                       "the top-1 (paired)",
-                                      "greater", "read_top.8", "read_top.1", role="effect"),
+                                      "describe", "read_top.8", "read_top.1", role="effect", described="nested in-sample sets (top-8 contains top-1): close to guaranteed"),
                                 # The paper's released random control is single random heads (6 per instance), not
                                 # 12 patched jointly as here; heads are ranked on the instances they are scored on.
-                                Claim("read_top12_vs_random12", "top-12 read heads beat 12 random heads (paired)", "greater", "read_top.12", "read_random.12", role="control"),
+                                Claim("read_top12_vs_random12", "top-12 read heads beat 12 random heads (paired)", "describe", "read_top.12", "read_random.12", role="control", described="in-sample ranking; crossfit_read_top12_vs_random12 is the test"),
                                 near("read_random12_zero", "12 random read heads recover ~ 0", "read_random.12", 0.0, role="control"),
                                 Claim("read_all_one", "every head's output patched recovers 1",
                                       "identity", "identity.read_all", role="control"),
@@ -190,4 +190,4 @@ EXPERIMENT = Experiment(name="heads", doc=__doc__, params=Params, run_instance=r
                                       "read_random.12", role="control"),
                                 near("crossfit_read_top12_in_range", "top-12 read heads ranked on the other scenario "
                                      "fold recover in the paper's range",
-                                     "crossfit.read_top12", 0.77, in_paper_range=True, role="control")))
+                                     "crossfit.read_top12", 0.77, in_paper_range=True, role="effect")))

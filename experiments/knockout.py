@@ -139,12 +139,12 @@ EXPERIMENT = Experiment(name="knockout", doc=__doc__, params=Params, run_instanc
                         # decision to the new value (P(correct) 0.00 -> 0.25 -> 1.00 at 0 / 10 / 25% masked, n = 12,
                         # Qwen3-8B). The two disagree in direction; kvprobe's knockout follows the prose.
                         claims=(Claim("knockout_dose", "knocking out more top-effect tokens moves the decision "
-                                      "further toward stale: top-8 more than top-1 (paired)", "greater",
-                                      "knockout_top.8", "knockout_top.1", role="effect"),
+                                      "further toward stale: top-8 more than top-1 (paired)", "describe",
+                                      "knockout_top.8", "knockout_top.1", role="effect", described="nested in-sample sets (top-8 contains top-1): close to guaranteed"),
                                 # ranked on the instances it is scored on, and nearly the complement of the suffix patch
                                 Claim("knockout_top8_vs_rand8", "knocking out the top-8 moves the decision toward "
-                                      "stale more than 8 random", "greater", "knockout_top.8",
-                                      "knockout_random.8", role="control"),
+                                      "stale more than 8 random", "describe", "knockout_top.8",
+                                      "knockout_random.8", role="control", described="in-sample ranking; crossfit_knockout_top8_vs_rand8 is the test"),
                                 # a discriminating control (cross-fitted: the knocked-out top-8 is ranked on the other
                                 # scenario fold, so it cannot win by selection on the scored instance).
                                 Claim("crossfit_knockout_top8_vs_rand8", "knocking out the top-8 ranked on the "

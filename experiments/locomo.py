@@ -282,18 +282,18 @@ EXPERIMENT = Experiment(
     claims=(
         near("locomo_f1_equivalent", "spliced sessions answer LoCoMo as accurately as full recompute (paired token-F1 "
              "difference within +-0.03; weak where F1 is low)", "spliced.f1", 0.0, margin=ACCURACY_MARGIN, b="full.f1", gated=False,
-             role="effect"),
+             role="effect", competence=("full.f1",)),
         Claim("locomo_answer_cosine", "the first answer token's logits of the spliced memory match full recompute "
-              "(cosine above App. H's 0.98)", "greater", "cosine", 0.98, gated=False, role="effect"),
+              "(cosine above App. H's 0.98)", "describe", "cosine", 0.98, gated=False, role="effect", competence=("full.f1",), described="a near-construction: full-vocabulary cosine ranks a wrong memory (0.99941) above the right splice (0.99922)"),
         Claim("locomo_answer_agreement", "the spliced memory's greedy answer is the full recompute's, token for token", "at_least",
-              "answer_agree", bound=KVPROBE_RATE_BOUND, gated=False, role="effect"),
+              "answer_agree", bound=KVPROBE_RATE_BOUND, gated=False, role="effect", competence=("full.f1",)),
         Claim("locomo_first_token_agreement", "the spliced memory's first answer token is the full recompute's", "at_least",
-              "first_token_agree", bound=KVPROBE_RATE_BOUND, gated=False, role="effect"),
+              "first_token_agree", bound=KVPROBE_RATE_BOUND, gated=False, role="effect", competence=("full.f1",)),
         # both controls can fail: were the positions irrelevant to the model, unrotated keys would match as well
         Claim("locomo_rotation_decision_control", "re-rotated sessions give full recompute's first answer token more "
               "often than unrotated ones (paired)", "greater",
-              "first_token_agree", "no_rotation_first_token_agree", gated=False, role="control"),
+              "first_token_agree", "no_rotation_first_token_agree", gated=False, role="control", competence=("full.f1",)),
         Claim("locomo_rotation_control", "re-rotated sessions' answer-token logits are closer to full recompute "
               "than unrotated ones (paired)", "greater", "cosine",
-              "no_rotation_cosine", gated=False, role="control"),
+              "no_rotation_cosine", gated=False, role="control", competence=("full.f1",)),
     ))

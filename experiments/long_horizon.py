@@ -192,13 +192,13 @@ EXPERIMENT = Experiment(name="long_horizon", doc=__doc__, needs_template=True, p
                         claims=(near("cosine_high", "the appended cache's next-token logits stay close to the "
                                      "reference over turns (a numerical floor)",
                                      "turns.*.cosine", 0.993, margin=0.01, in_paper_range=True,
-                                     role="control", params=(("scheme", "erratum"),)),
+                                     role="control", params=(("scheme", "erratum"),), competence=("turns.*.reference_correct",)),
                                 near("agreement_in_range", "the appended cache decides as the reference over turns", "turns.*.agree", 0.89,
                                      margin=ACCURACY_MARGIN, in_paper_range=True, role="effect",
-                                     params=(("scheme", "erratum"),)),
+                                     params=(("scheme", "erratum"),), competence=("turns.*.reference_correct",)),
                                 near("no_compounding_drift", "agreement does not drift over turns (slope per turn "
                                      "~ 0)", "turns.@slope.agree", 0.0, margin=0.0, in_paper_range=True,
-                                     role="effect", params=(("scheme", "erratum"),)),
+                                     role="effect", params=(("scheme", "erratum"),), competence=("turns.*.reference_correct",)),
                                 Claim("agreement_field_erratum", "with the field refreshed in place + an erratum "
                                       "(stale notes), the cache decides as the reference over turns (described)",
-                                      "describe", "turns.*.agree", role="effect", params=(("scheme", "field_erratum"),))))
+                                      "describe", "turns.*.agree", role="effect", params=(("scheme", "field_erratum"),), competence=("turns.*.reference_correct",))))

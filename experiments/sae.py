@@ -375,7 +375,7 @@ EXPERIMENT = Experiment(name="sae", doc=__doc__, params=Params, run_instance=run
                             # decode != cause: the best-decoding feature (AUC 1.00) alone moves the decision ~0
                             near("clamp_top1_zero", "decode is not cause: clamping the single best conclusion "
                                  "feature recovers ~0 (held-out pairs)",
-                                 "held_out_clamp.top1", 0.0, template=stem, role="effect"),
+                                 "held_out_clamp.top1", 0.0, template=stem, role="effect", kind="describe", described="the paper pairs the ~0 clamp with a top-1 decoding AUC of 1.00; without that condition ~0 is implied by a weak top-10 clamp"),
                             # a control that can win: 10 random live features moved by the same L2 perturbation
                             # at each note as the top-10 clamp
                             Claim("clamp_top10_vs_norm_matched", "clamping the top-10 conclusion features recovers "

@@ -226,10 +226,10 @@ EXPERIMENT = Experiment(
     claims=(
       
         Claim("tau2_field_erratum_beats_stale", "field+erratum beats the stale cache after the state change", "greater", "arm_b.field_erratum.reward",
-              "arm_b.stale.reward", gated=False, role="effect"),
+              "arm_b.stale.reward", gated=False, role="effect", competence=("arm_a.full.reward", "arm_b.full_reprefill.reward",)),
       
         Claim("tau2_transplant_agrees", "the transplanted policy decides as full recompute (arm B)", "at_least", "transplant_vs_full.agree_b",
-              bound=1 - ACCURACY_MARGIN, gated=False, role="effect"),
+              bound=1 - ACCURACY_MARGIN, gated=False, role="effect", competence=("arm_a.full.reward", "arm_b.full_reprefill.reward",)),
         # (can fail: a model that ignores the status field decides alike in both arms)
-        Claim("tau2_full_recompute_correct", "full recompute takes the correct terminal action (arm B)", "at_least", "arm_b.full_reprefill.reward", bound=0.5, gated=False, role="control"),
+        Claim("tau2_full_recompute_correct", "full recompute takes the correct terminal action (arm B)", "at_least", "arm_b.full_reprefill.reward", bound=0.5, gated=False, role="control", competence=("arm_a.full.reward", "arm_b.full_reprefill.reward",)),
     ))

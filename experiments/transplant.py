@@ -212,24 +212,24 @@ EXPERIMENT = Experiment(name="transplant", doc=__doc__, needs_template=True, par
                         claims=(Claim("skill_agreement", "transplanted skill decides as full recompute (instances the model "
                                       "decides correctly under full recompute)", "at_least",
                                       "seam0_agree", bound=KVPROBE_RATE_BOUND, gated=False,
-                                      only="full_correct", role="effect"),
+                                      only="full_correct", role="effect", competence=("full_correct",)),
                                 # The no-rotation arm passes the same test on every model: a control, not the effect.
                                 Claim("skill_cosine", "transplanted skill's logit cosine above 0.90", "greater",
-                                      "seam0_cosine", 0.90, gated=False, role="control"),
+                                      "seam0_cosine", 0.90, gated=False, role="control", competence=("full_correct",)),
                                 Claim("rotation_needed", "re-rotation is necessary: rotated + 1 seam token agrees "
                                       "with full recompute more than the unrotated transplant (paired)",
                                       "greater", "seam1_agree", "no_rotation_agree", gated=False,
-                                      role="effect"),
+                                      role="effect", competence=("full_correct",)),
                                 Claim("seam_closes_gap", "one seam-repair token raises the transplant's logit cosine "
                                       "(paired)", "greater",
-                                      "seam1_cosine", "seam0_cosine", gated=False, role="effect"),
+                                      "seam1_cosine", "seam0_cosine", gated=False, role="effect", competence=("full_correct",)),
                                 near("blocks_keep_decisions", "four concurrent skill blocks decide as one (paired "
                                      "agreement difference ~ 0)", "blocks4_agree", 0.0, b="seam0_agree",
-                                     gated=False, role="effect"),
+                                     gated=False, role="effect", competence=("full_correct",)),
                                 # The paper's claim that the re-rotation is needed, as a paired
                                 # contrast with its control: rotated minus unrotated on one instance (Fig. 9b).
                                       Claim("rotation_agreement_gain", "the re-rotated skill decides as full recompute more "
-                                      "often than the unrotated one (paired)", "greater", "seam0_agree", "no_rotation_agree", gated=False, role="control"),
+                                      "often than the unrotated one (paired)", "greater", "seam0_agree", "no_rotation_agree", gated=False, role="control", competence=("full_correct",)),
                                       Claim("rotation_cosine_gain", "the re-rotated skill's logits are closer to full "
                                       "recompute than the unrotated one's (paired)",
-                                      "greater", "seam0_cosine", "no_rotation_cosine", gated=False, role="control")))
+                                      "greater", "seam0_cosine", "no_rotation_cosine", gated=False, role="control", competence=("full_correct",))))

@@ -148,8 +148,8 @@ EXPERIMENT = Experiment(
     claims=(
         Claim("twohop_split_penalty", "splitting a two-hop pair across blocks lowers agreement with full recompute", "greater", "informative.together_agree",
               "informative.split_agree", gated=False, role="effect",
-              only="informative.model_decides"),
+              only="informative.model_decides", competence=("twohop.full_correct",)),
         Claim("independent_split_free", "splitting an independent pair the same way costs ~nothing", "equivalent", "informative.control_together_agree",
               "informative.control_split_agree", bounds=(-0.1, 0.1), gated=False, role="control",
-              only="informative.model_decides"),
+              only="informative.model_decides", competence=("independent.full_correct",)),
     ))

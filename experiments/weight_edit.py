@@ -270,25 +270,25 @@ EXPERIMENT = Experiment(
     claims=(
       
         Claim("weight_edit_field_erratum_flips", "field+erratum flips the target decision",
-              "at_least", "methods.field_erratum.efficacy", bound=0.5, role="effect"),
+              "at_least", "methods.field_erratum.efficacy", bound=0.5, role="effect", competence=("oracle_correct",)),
       
         Claim("weight_edit_rome_flips", "ROME flips the target decision", "at_least",
-              "methods.rome.efficacy", bound=0.5, role="effect"),
+              "methods.rome.efficacy", bound=0.5, role="effect", competence=("oracle_correct",)),
       
         Claim("weight_edit_lora_flips", "LoRA flips the target decision", "at_least",
-              "methods.lora.efficacy", bound=0.5, role="effect"),
+              "methods.lora.efficacy", bound=0.5, role="effect", competence=("oracle_correct",)),
       
-        Claim("weight_edit_rome_contaminates", "ROME contaminates held-out requests more than field+erratum", "greater", "methods.rome.contamination", "methods.field_erratum.contamination", role="effect"),
+        Claim("weight_edit_rome_contaminates", "ROME contaminates held-out requests more than field+erratum", "greater", "methods.rome.contamination", "methods.field_erratum.contamination", role="effect", competence=("oracle_correct",)),
       
-        Claim("weight_edit_lora_contaminates", "LoRA contaminates held-out requests more than field+erratum", "greater", "methods.lora.contamination", "methods.field_erratum.contamination", role="effect"),
+        Claim("weight_edit_lora_contaminates", "LoRA contaminates held-out requests more than field+erratum", "greater", "methods.lora.contamination", "methods.field_erratum.contamination", role="effect", competence=("oracle_correct",)),
       
-        Claim("weight_edit_rome_collateral", "ROME changes unrelated decisions more than field+erratum", "greater", "methods.rome.collateral", "methods.field_erratum.collateral", role="effect"),
+        Claim("weight_edit_rome_collateral", "ROME changes unrelated decisions more than field+erratum", "greater", "methods.rome.collateral", "methods.field_erratum.collateral", role="effect", competence=("oracle_correct",)),
       
-        Claim("weight_edit_rome_slower", "a ROME edit takes longer than the erratum (side by side, one run)", "greater", "methods.rome.latency_s", "methods.erratum.latency_s", role="effect"),
+        Claim("weight_edit_rome_slower", "a ROME edit takes longer than the erratum (side by side, one run)", "greater", "methods.rome.latency_s", "methods.erratum.latency_s", role="effect", competence=("oracle_correct",)),
         # (identity: a KV edit never writes the weights)
-        Claim("weight_edit_kv_weights_unchanged", "KV edits leave the weights unchanged (checksum)", "identity", "methods.field_erratum.weights_unchanged", role="control"),
+        Claim("weight_edit_kv_weights_unchanged", "KV edits leave the weights unchanged (checksum)", "identity", "methods.field_erratum.weights_unchanged", role="control", competence=("oracle_correct",)),
         # (can fail: a rollback that leaves a residue changes the checksum)
-        Claim("weight_edit_rome_rollback_exact", "rolling ROME back restores the weights byte for byte", "at_least", "methods.rome.rollback_exact", bound=1 - ACCURACY_MARGIN, role="control"),
+        Claim("weight_edit_rome_rollback_exact", "rolling ROME back restores the weights byte for byte", "at_least", "methods.rome.rollback_exact", bound=1 - ACCURACY_MARGIN, role="control", competence=("oracle_correct",)),
       
-        Claim("weight_edit_lora_rollback_exact", "unloading the LoRA adapter restores the weights byte for byte", "at_least", "methods.lora.rollback_exact", bound=1 - ACCURACY_MARGIN, role="control"),
+        Claim("weight_edit_lora_rollback_exact", "unloading the LoRA adapter restores the weights byte for byte", "at_least", "methods.lora.rollback_exact", bound=1 - ACCURACY_MARGIN, role="control", competence=("oracle_correct",)),
     ))

@@ -67,7 +67,7 @@ EXPERIMENT = Experiment(name="writability", doc=__doc__, params=Params, run_inst
                         + "; follow rate: " + headline_stats(s, "follows", {"all": "all notes"}),
                         paper={"gated": "injection 0.98-1.02, follow rate 1.0 (App. C (iv))"},
                         claims=(near("inject_all_one", "injecting every note recovers toward the note ~ 1", "inject.all", 1.0,
-                                     in_paper_range=True, role="effect"),
+                                     in_paper_range=True, role="control"),
                                 Claim("follow_rate_all", "the decision follows the injected note (all notes)",
                                       "at_least", "follows.all", bound=KVPROBE_RATE_BOUND,
                                       role="effect"),

@@ -75,6 +75,9 @@ MIN_N = 10  # no verdict but "not measurable" below this many instances ...
 MIN_CLUSTERS = 5  # ... or this many clusters (and no interval is shown below it)
 ACCURACY_MARGIN = 0.03  # the paper's TOST margin for accuracy/agreement in its user-memory protocol (Appendix H)
 KVPROBE_RATE_BOUND = 1 - ACCURACY_MARGIN  # kvprobe's own bound for decision rates (App. H's margin, borrowed)
+COMPETENCE_GATE = 0.80  # kvprobe's gate on full-recompute accuracy (the paper's App. H admits a model at >= 0.80)
+CHANCE = 0.5  # two actions: the full recompute must also be right above chance (exact CI)
+RULE_BEFORE_FIELD = (("rule_at", "before_field"),)  # generated instances with the rule first: not the paper's layout
 RATIO_FLOOR = 0.05  # a share a / b is undefined where |b| is below this (no full-site effect to share)
 DIGITS = 4  # significant digits written to claims.json: the file is byte-identical across runs and BLAS builds
 Kind = Literal["equivalent", "greater", "at_least", "agrees", "identity", "describe"]
@@ -103,6 +106,13 @@ class Claim:
     only: str | None = None  # a row path that must be true for an instance to count (e.g. "full_correct")
     margin: float | None = None  # kvprobe's margin around the paper's range (``in_paper_range``)
     in_paper_range: bool = False  # bounds = the paper's range (from the registry) +- ``margin``
+    # Row paths holding whether full recompute decides rightly (a bool, or a rate per instance): a tested claim
+    # on a record whose full recompute is below kvprobe's competence gate is "not measurable" (an agreement with
+    # a model that decides at chance, or always the same way, says nothing about the cache).
+    competence: tuple[str, ...] = ()
+    # rows in a condition the paper's number is not about, left out: ((row path, value), ...)
+    exclude: tuple[tuple[str, Any], ...] = ()
+    described: str = ""  # why a "describe" claim is shown and not tested (in-sample, a near-construction, ...)
     # joined from the registry (kvprobe.paper) by declared_claims():
     paper: str = ""  # the paper's number(s), as stated, with its model and condition
     paper_value: float | None = None  # the paper's value of the tested quantity (a - b, or the rate)
@@ -113,10 +123,49 @@ class Claim:
 
 def near(key: str, text: str, a: str, target: float, margin: float = RECOVERY_MARGIN, template: str = "gated",
          in_paper_range: bool = False, gated: bool = True, b: str | None = None, role: Role | None = None,
-         params: tuple[tuple[str, Any], ...] = (), only: str | None = None) -> Claim:
-    """``a`` (or ``a - b``) ~ ``target`` +- ``margin`` (or within the paper's range +- ``margin``): a TOST."""
-    return Claim(key, text, "equivalent", a, b, (target - margin, target + margin), None, template, gated, role,
-                 params, only, margin, in_paper_range)
+         params: tuple[tuple[str, Any], ...] = (), only: str | None = None, kind: Kind = "equivalent",
+         competence: tuple[str, ...] = (), described: str = "", exclude: tuple[tuple[str, Any], ...] = ()
+         ) -> Claim:
+    """``a`` (or ``a - b``) ~ ``target`` +- ``margin`` (or within the paper's range +- ``margin``): a TOST
+    (``kind="describe"``: the same quantity, shown and not tested)."""
+    return Claim(key, text, kind, a, b, (target - margin, target + margin), None, template, gated, role,
+                 params, only, margin, in_paper_range, competence, exclude, described)
+
+
+def kvprobe_bound(claim: Claim) -> str:
+    """The bound the claim is tested against, named as kvprobe's own (never the paper's), with how the paper's own
+    value(s) fare against it; "" for a claim tested against nothing but 0 or its twin."""
+    lh = _paper_range(claim)
+    if claim.kind == "equivalent" and claim.bounds:
+        lo, hi = claim.bounds
+        text = (f"kvprobe's margin +-{claim.margin:g} around the paper's range: [{lo:g}, {hi:g}]" if
+                claim.in_paper_range else f"kvprobe's bounds [{lo:g}, {hi:g}]")
+        if lh is not None and claim.b is None:
+            fits = lo <= lh[0] and lh[1] <= hi
+            text += "; the paper's value lies inside" if fits else "; the paper's own value lies outside them"
+        return text
+    if claim.kind in ("at_least", "agrees") and claim.bound is not None:
+        text = (f"kvprobe's rate bound {claim.bound:g} (an exact binomial test passes it only from "
+                f"{units_to_pass(claim.bound)} units up)")
+        if lh is not None:
+            text += ("; the paper's value clears it" if lh[0] > claim.bound else
+                     "; the paper's own value would fail it" if lh[1] <= claim.bound else
+                     "; the paper's own range straddles it")
+        return text
+    if claim.kind == "greater" and isinstance(claim.b, (int, float)):
+        text = f"kvprobe's threshold {claim.b:g}"
+        if lh is not None:
+            text += "; the paper's value clears it" if lh[0] > claim.b else "; the paper's own value does not clear it"
+        return text
+    return ""
+
+
+def _paper_range(claim: Claim) -> tuple[float, float] | None:
+    if not claim.paper_id:
+        return None if claim.paper_value is None else (claim.paper_value, claim.paper_value)
+    from kvprobe.paper import registry
+
+    return registry()[claim.paper_id].low_high
 
 
 def paper_id(experiment: str, claim: Claim) -> str:
@@ -217,6 +266,31 @@ def _flag(v: Any) -> bool | None:
     raise ValueError(f"{v!r} is not a binary outcome")
 
 
+_NOT_DECISIONS = ("cosine", "latency", "rollback", "weights_unchanged")  # measures a constant model does not pass
+
+
+def competence(claim: Claim, rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """Whether full recompute decides the record's task: right on at least ``COMPETENCE_GATE`` of its decisions
+    and above chance (the exact interval's lower end above ``CHANCE``), over every instance of the record (not
+    only the included ones). None where the claim names no competence measure or reads no decision (a cosine or a
+    latency is not made vacuous by a constant answer)."""
+    paths = [p for p in (claim.a, claim.b) if isinstance(p, str)]
+    if not claim.competence or all(any(w in p for w in _NOT_DECISIONS) for p in paths):
+        return None
+    values = [float(_num_or_bool(v)) for r in rows for p in claim.competence if (v := get(r, p)) is not None]
+    if not values:
+        return {"competent": False, "n": 0, "reason": "no competence measure in the rows (full recompute's "
+                                                       "correctness not recorded)"}
+    n, k = len(values), sum(values)
+    lo, hi = proportion_ci(int(round(k)), n)
+    acc = k / n
+    competent = acc >= COMPETENCE_GATE and lo > CHANCE
+    reason = (f"below the competence gate: full recompute right on {acc:.2f} [{lo:.2f}, {hi:.2f}] of {n} decisions "
+              f"(kvprobe's gate: >= {COMPETENCE_GATE:.2f} and above chance)")
+    return {"competent": competent, "accuracy": acc, "ci_low": lo, "ci_high": hi, "n": n,
+            **({} if competent else {"reason": reason})}
+
+
 def _clusters(rows: Sequence[dict[str, Any]]) -> list[str]:
     return [str(r.get("scenario", f"#{r.get('index', i)}")) for i, r in enumerate(rows)]
 
@@ -282,7 +356,16 @@ def evaluate(claim: Claim, record: dict[str, Any]) -> dict[str, Any]:
     CI, the test on the units of independence and its p, power at the paper's effect and at ours (no verdict
     yet: that waits for the BH q within the claim's family, :func:`claims_rows`)."""
     rows = claim_rows(record)
+    gate = competence(claim, rows)
     used = [r for r in rows if r.get("included")] if claim.gated else list(rows)
+    if claim.exclude:
+        kept = [r for r in used if not any(get(r, path) == value for path, value in claim.exclude)]
+        if used and not kept:  # every instance is in a condition the paper's number is not about
+            return {"claim": claim.text, "key": claim.key, "kind": claim.kind, "role": claim.role,
+                    "paper": claim.paper, "out_of_condition": True, "n": 0, "status": "empty",
+                    "notes": ["no instance in the paper's condition (" + ", ".join(
+                        f"{p} {v}" for p, v in claim.exclude) + " left out)"]}
+        used = kept
     gate_passed = len(used)
     if claim.only:
         used = [r for r in used if get(r, claim.only)]
@@ -295,7 +378,13 @@ def evaluate(claim: Claim, record: dict[str, Any]) -> dict[str, Any]:
                            "over": ("gated" if claim.gated else "all") + (f", {claim.only}" if claim.only else ""),
                            "n_rows": len(rows), "p": None,
                            "n": 0, "n_clusters": 0, "unit": None, "n_units": 0, "n_needed": None, "test": None,
-                           "ours": {}, "notes": [], "paper_point": claim.paper_value}
+                           "ours": {}, "notes": [], "kvprobe_bound": kvprobe_bound(claim) or None,
+                           "paper_range": _paper_range(claim)}
+    if gate is not None:
+        out["competence"] = gate
+        if not gate["competent"] and claim.kind not in ("identity", "describe"):
+            out.update(status="empty", notes=[gate["reason"]])
+            return out
     if b_summary:  # a constant the summary computed (e.g. the record's write depth)
         const = get(record.get("summary") or {}, b_path[len("summary."):])
         b_path = None
@@ -336,7 +425,8 @@ def evaluate(claim: Claim, record: dict[str, Any]) -> dict[str, Any]:
             out["test"] = "identity (holds by construction: not tested)"
             out["max_abs_deviation"] = float(np.max(np.abs(np.asarray(vals) - (claim.paper_value or 0.0))))
         else:
-            out["test"] = "described (the paper has no number for this condition: not tested)"
+            out["test"] = "described, not tested: " + (claim.described or "the paper has no number for this "
+                                                                            "condition")
         out["status"] = claim.kind
         return out
 
@@ -353,6 +443,12 @@ def evaluate(claim: Claim, record: dict[str, Any]) -> dict[str, Any]:
         else:
             k_u, n_u = k, n
             out["ours"] = _ours(summarize_proportion(flags, clusters))
+        n_min = units_to_pass(claim.bound)
+        if n_u < n_min and n >= MIN_N and n_clusters >= MIN_CLUSTERS:  # not even all n_u successes could pass
+            out.update(status="describe", unreachable=True,
+                       test=f"described: kvprobe's rate bound {claim.bound:g} cannot be passed at {n_u} "
+                            f"{'clusters' if clustered else 'instances'} (even {n_u} of {n_u} needs >= {n_min})")
+            return out
         test = binom_at_least(k_u, n_u, claim.bound)
         out.update(test=test["test"] + (" over clusters" if clustered else ""), p=test["p"], k_units=k_u)
         if claim.kind == "agrees":
@@ -372,7 +468,8 @@ def evaluate(claim: Claim, record: dict[str, Any]) -> dict[str, Any]:
     out["ours"] = _ours(summarize(shown, clusters=clusters))
     out["mean_diff"] = float(np.mean(diffs))
     if not b_path and not b_summary and claim.kind == "greater":
-        out["paper_point"] = b_const + claim.paper_value if claim.paper_value is not None else None
+        # ours shows ``a`` itself: the verdict compares its interval with the constant, not with 0
+        out["threshold"] = b_const
     if clustered:
         _, unit_a = cluster_means(a_num, clusters)
         _, unit_b = cluster_means(b_num, clusters)
@@ -418,7 +515,10 @@ def evaluate(claim: Claim, record: dict[str, Any]) -> dict[str, Any]:
             out.update(test="paired t (one-sided, a > b)" + (" on cluster means" if clustered else ""), p=p)
             if p is None:
                 out["notes"].append("no variance: t undefined")
-            _power_block(out, len(unit_d), claim.paper_value, float(np.mean(unit_d)), sd_or_none, "t")
+            # the paper's effect on a - b: against a constant, its level (the registry's value) minus the constant
+            paper_effect = claim.paper_value - b_const if (claim.paper_value is not None and "threshold" in out) \
+                else claim.paper_value
+            _power_block(out, len(unit_d), paper_effect, float(np.mean(unit_d)), sd_or_none, "t")
         if claim.paper_value is None:
             out["notes"].append("the paper gives no number: power only at our estimate")
     out["status"] = "tested"
@@ -440,13 +540,21 @@ def _power_note(row: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def units_to_pass(bound: float, alpha: float = ALPHA) -> int:
+    """The fewest units with which an exact one-sided binomial test can reject "rate <= bound" at all (every unit a
+    success: p = bound ** n < alpha); 99 for kvprobe's 0.97."""
+    return int(math.floor(math.log(alpha) / math.log(bound))) + 1
+
+
 def verdict(row: dict[str, Any], alpha: float = ALPHA) -> str:
     """The verdict of the module docstring, from the row's q, interval, n, clusters and power."""
     status, q = row.get("status"), row.get("q")
     if status == "identity":
         return "identity (by construction)"
+    if status == "describe" and row.get("unreachable"):
+        return "described only (no n here can pass kvprobe's rate bound)"
     if status == "describe":
-        return "no paper number (described only)"
+        return "described only (" + (row.get("test") or "not tested").removeprefix("described, not tested: ") + ")"
     if status == "empty":
         return "not measurable (" + (row["notes"][0] if row["notes"] else "no instance") + ")"
     n = row["n"]
@@ -470,15 +578,18 @@ def verdict(row: dict[str, Any], alpha: float = ALPHA) -> str:
             return "inconclusive (CI straddles a bound" + (f"; {note})" if note else ")")
         return f"inconclusive (CI inside the bounds, q {q:.2g} >= {alpha})"
     if kind == "greater":
+        # against a constant, ours is ``a`` and its interval must clear the constant; else ours is a - b
+        thr = row.get("threshold", 0.0)
+        at = "zero" if thr == 0.0 else f"the threshold {thr:g}"
         if q < alpha and row.get("mean_diff", 0.0) < 0:
             return "not reproduced (significant, opposite direction)"
-        if q < alpha and lo > 0:
+        if q < alpha and lo > thr:
             return "reproduced"
-        if hi <= 0:
-            return "not reproduced (CI at or below zero)"
-        if powered and row.get("power_paper") is not None and lo <= 0:
-            return f"not reproduced (CI includes zero although {note})"
-        return "inconclusive (" + ("CI includes zero" if lo <= 0 else f"q {q:.2g} >= {alpha}") + \
+        if hi <= thr:
+            return f"not reproduced (CI at or below {at})"
+        if powered and row.get("power_paper") is not None and lo <= thr:
+            return f"not reproduced (CI includes {at} although {note})"
+        return "inconclusive (" + (f"CI includes {at}" if lo <= thr else f"q {q:.2g} >= {alpha}") + \
             (f"; {note})" if note else ")")
     # at_least / agrees
     if q < alpha and lo > row["bound"]:
@@ -551,8 +662,11 @@ def claims_rows(records: Sequence[dict[str, Any]], alpha: float = ALPHA) -> list
         for claim in claims_of[rec["experiment"]]:
             if claim.template != task or not _applies(claim, rec):
                 continue
+            measured = evaluate(claim, rec)
+            if measured.get("out_of_condition"):  # e.g. the rule before the field: no paper counterpart, no row
+                continue
             row = {"experiment": rec["experiment"], "template": stem, "model": rec["model"]["name"],
-                   **_lineage_fields(rec["model"]["name"]), **evaluate(claim, rec),
+                   **_lineage_fields(rec["model"]["name"]), **measured,
                    "variant": dict(claim.params) or None, "record": rec.get("_path"),
                    "schema_version": rec.get("schema_version")}
             out.append(row)
@@ -588,6 +702,8 @@ def ours_cell(row: dict[str, Any]) -> str:
 
 def paper_cell(row: dict[str, Any]) -> str:
     bits = [row["paper"]]
+    if row.get("kvprobe_bound"):
+        bits.append(row["kvprobe_bound"])
     if row.get("location") and row["location"] not in row["paper"]:
         bits.append(row["location"])
     if row.get("paper_n"):
@@ -633,7 +749,7 @@ def headline(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     with the other verdicts."""
     out: dict[str, dict[str, Any]] = {}
     for r in rows:
-        if r.get("role") != "effect" or r.get("status") == "describe":
+        if r.get("role") != "effect" or r.get("status") == "describe" or r.get("kind") in ("describe", "identity"):
             continue
         h = out.setdefault(r["model"], {"effects": 0, "reproduced": 0, "verdicts": {}, "by_template": {}})
         head = r["verdict"].split(" (")[0]
@@ -648,7 +764,10 @@ def headline(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         h["by_template"] = {t: f"{v['reproduced']} of {v['effects']} reproduced ("
                             + ", ".join(f"{k}: {n}" for k, n in sorted(v["verdicts"].items())) + ")"
                             for t, v in sorted(h["by_template"].items())}
-        h["text"] = f"{model}: {h['reproduced']} of {h['effects']} paper effects reproduced"
+        unmeasurable = h["verdicts"].get("not measurable", 0)
+        h["testable"] = h["effects"] - unmeasurable
+        h["text"] = (f"{model}: {h['reproduced']} of {h['testable']} testable paper effects reproduced"
+                     + (f" ({unmeasurable} more not measurable here)" if unmeasurable else ""))
     return dict(sorted(out.items()))
 
 
@@ -685,16 +804,34 @@ def _stable(obj: Any) -> Any:
     return obj
 
 
-def load_claims(results_dir: str | Path = "results") -> list[dict[str, Any]]:
+def claim_records(results_dir: str | Path = "results", scope: Literal["study", "archive"] = "study"
+                  ) -> list[dict[str, Any]]:
+    """The records a claims table reads. ``study``: the records the study publishes (``study.yaml``), so
+    ``claims.json``, the README and RESULTS.md give one headline, and BH runs within the study's own rows; a
+    folder with no study model (a scratch ``runs/``) gives all its records. ``archive``: every other record (its
+    own page)."""
     from kvprobe.runner.records import load_records
+    from kvprobe.study import _study_file, archive_records, published_records
 
-    return claims_rows(load_records(results_dir))
+    records = load_records(results_dir)
+    if not _study_file().exists():  # an installed kvprobe outside a checkout: no study, every record
+        return records if scope == "study" else []
+    published = published_records(records)
+    if scope == "archive":
+        return archive_records(records) if published else []
+    return published or records
+
+
+def load_claims(results_dir: str | Path = "results", scope: Literal["study", "archive"] = "study"
+                ) -> list[dict[str, Any]]:
+    return claims_rows(claim_records(results_dir, scope))
 
 
 # A claim's declaration (the same on every model) is written once, under "declarations"; a row keeps what was
 # measured. These fields of an in-memory row are the declaration's, or repeat another field.
-_DECLARED = ("claim", "paper", "location", "paper_n", "kind", "paper_value", "bounds", "bound", "over", "variant")
-_DROPPED = ("pretrained", "n_rows", "bh_family", "paper_point", "sd", "status", "schema_version",
+_DECLARED = ("claim", "paper", "location", "paper_n", "kind", "paper_value", "paper_range", "kvprobe_bound", "bounds",
+             "bound", "over", "variant")
+_DROPPED = ("pretrained", "n_rows", "bh_family", "sd", "status", "schema_version",
             "experiment", "key", "lineage_root", "n", "n_clusters", "n_needed", "mean_diff")
 _DEFAULT_CI = "cluster bootstrap (percentile, by scenario)"
 
@@ -859,7 +996,7 @@ def _cmd_claims(args: Any) -> int:
 
         figure = Path(args.figure)
         figure.parent.mkdir(parents=True, exist_ok=True)
-        claims_figure.fig_claims(load_records(args.results), figure)
+        claims_figure.fig_claims(claim_records(args.results), figure, rows)
         print(f"figure: {figure}")
     return 0
 

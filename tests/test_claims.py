@@ -94,18 +94,69 @@ def test_paired_greater_uses_mcnemar_for_booleans_and_t_for_values():
     assert not verdict(wrong).startswith("reproduced")
 
 
-def test_rate_claims_are_exact_and_zero_of_twelve_is_not_reproduced():
-    claim = Claim("a", "erratum = reprefill", "agrees", "m.e.correct", "m.r.correct", paper_value=1.0, bound=0.9, paper="1.00 vs 1.00")
-    rows = _rows(12, m={"e": {"correct": False}, "r": {"correct": True}})
-    res = evaluate(claim, _record("edit", rows))
+def test_rate_claims_are_exact_and_a_bound_no_n_here_can_pass_is_a_description():
+    claim = Claim("a", "erratum = reprefill", "agrees", "m.e.correct", "m.r.correct", paper_value=1.0, bound=0.9,
+                  paper="1.00 vs 1.00")
+    # 0.9 needs 29 units even at 29 of 29: with 30 it is a test, and 0 of 30 is not reproduced
+    res = evaluate(claim, _record("edit", _rows(30, m={"e": {"correct": False}, "r": {"correct": True}})))
     res["q"] = res["p"]
-    assert res["ours"]["mean"] == 0.0 and res["ours"]["ci_high"] == pytest.approx(0.2646, abs=1e-3)
+    assert res["ours"]["mean"] == 0.0 and res["ours"]["ci_high"] == pytest.approx(0.1157, abs=1e-3)
     assert verdict(res) == "not reproduced (CI below the bound)" and res["n_needed"] == 29
+    # with 12 units not even 12 of 12 could pass: described, never counted as a test
+    few = evaluate(claim, _record("edit", _rows(12, m={"e": {"correct": True}, "r": {"correct": True}})))
+    assert few["status"] == "describe" and few["p"] is None and verdict(few).startswith("described only (no n here")
     agree = evaluate(Claim("s", "agree", "at_least", "agree", paper_value=1.0, bound=0.97, gated=False, paper="1.00"),
                      _record("t", _rows(12, agree=1.0)))  # stored as floats 0/1
-    agree["q"] = agree["p"]
-    assert agree["ours"]["k"] == 12 and verdict(agree).startswith("inconclusive (CI straddles the bound")
-    assert agree["n_needed_paper"] == 99 and agree["power_paper"] == 0.0
+    assert agree["ours"]["k"] == 12 and agree["status"] == "describe" and "needs >= 99" in agree["test"]
+    from kvprobe.claims import units_to_pass
+
+    assert units_to_pass(0.97) == 99 and units_to_pass(0.9) == 29 and units_to_pass(0.5) == 5
+
+
+def test_a_greater_than_a_constant_claim_is_judged_against_the_constant():
+    """Row 739's bug: 0.866 [0.831, 0.899] against 0.9 read "inconclusive"; its interval lies below the constant."""
+    claim = Claim("c", "cosine above 0.90", "greater", "cos", 0.9, paper_value=0.95, paper="0.90-0.999")
+    rows = _rows(24, cos=RNG.normal(0.866, 0.04, 24))
+    res = evaluate(claim, _record("t", rows))
+    res["q"] = res["p"]
+    assert res["ours"]["ci_high"] < 0.9 and verdict(res).startswith("not reproduced (CI at or below the threshold 0.9")
+    above = evaluate(claim, _record("t", _rows(24, cos=RNG.normal(0.95, 0.01, 24))))
+    above["q"] = above["p"]
+    assert above["ours"]["ci_low"] > 0.9 and verdict(above) == "reproduced"
+    between = evaluate(claim, _record("t", _rows(24, cos=RNG.normal(0.45, 0.01, 24))))
+    between["q"] = between["p"]  # ci above 0 but below 0.9: the old rule compared with 0
+    assert not verdict(between).startswith("reproduced")
+
+
+def test_an_agreement_claim_on_a_model_that_decides_at_chance_is_not_measurable():
+    """A constant answer makes agreement with full recompute vacuous: the competence gate says so."""
+    claim = Claim("g", "spliced agrees with full", "at_least", "agree", bound=0.5, gated=False, paper="1.0",
+                  paper_value=1.0, competence=("full_correct",))
+    chance = _rows(24, agree=1.0, full_correct=[i % 2 == 0 for i in range(24)])  # right on half: a constant answer
+    res = evaluate(claim, _record("t", chance))
+    assert res["status"] == "empty" and "below the competence gate" in res["notes"][0]
+    assert verdict({**res, "q": None}).startswith("not measurable (below the competence gate")
+    competent = _rows(24, agree=1.0, full_correct=[i != 3 for i in range(24)])
+    res = evaluate(claim, _record("t", competent))
+    assert res["status"] == "tested" and res["competence"]["competent"]
+    cosine = Claim("c", "cosine", "greater", "cosine", "norot_cosine", paper="x", competence=("full_correct",))
+    assert evaluate(cosine, _record("t", _rows(24, cosine=RNG.normal(0.9, 0.01, 24), norot_cosine=0.8, full_correct=False)))["status"] == "tested"
+
+
+def test_rows_outside_the_papers_condition_leave_no_claim_row(monkeypatch):
+    from kvprobe.runner import experiment as experiment_module
+    from kvprobe.claims import RULE_BEFORE_FIELD
+
+    class Fake:
+        claims = (declared(near("z", "x ~ 0", "x", 0.0, role="effect", exclude=RULE_BEFORE_FIELD), "0", 0.0),)
+
+    monkeypatch.setattr(experiment_module, "available_experiments", lambda: {"fake": "fake"})
+    monkeypatch.setattr(experiment_module, "get_experiment", lambda name: Fake())
+    before = _record("fake", _rows(12, x=0.8, rule_at="before_field"))
+    assert claims_rows([before]) == []
+    mixed = _record("fake", _rows(12, x=0.0, rule_at=["before_field", "after_field"] * 6))
+    (row,) = claims_rows([mixed])
+    assert row["n"] == 6
 
 
 def test_claims_rows_apply_bh_across_claims_and_read_the_newest_record(monkeypatch):
@@ -318,9 +369,9 @@ def test_headline_counts_effects_only_and_bh_runs_within_each_role(monkeypatch):
     rows = claims_rows([rec])
     assert [r["role"] for r in rows] == ["effect", "control", "effect"]
     assert rows[0]["q"] == pytest.approx(rows[0]["p"]) and rows[1]["q"] == pytest.approx(rows[1]["p"])  # own family
-    assert rows[2]["verdict"] == "no paper number (described only)" and rows[2]["q"] is None
+    assert rows[2]["verdict"] == "described only (the paper has no number for this condition)" and rows[2]["q"] is None
     h = headline(rows)["smollm2-135m"]
-    assert h["effects"] == 1 and h["reproduced"] == 1 and h["text"].endswith("1 of 1 paper effects reproduced")
+    assert h["effects"] == 1 and h["reproduced"] == 1 and h["text"].endswith("1 of 1 testable paper effects reproduced")
     assert rows[0]["lineage"] == "smollm2-135m" and rows[0]["lineage_root"] == "smollm2-135m"
     table = markdown(rows)
     assert table.index("Paper effects") < table.index("Controls")

@@ -126,3 +126,8 @@ def save(fig, path: Path, dpi: int = 130) -> None:
         fig.tight_layout()
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
+
+
+def random_init_models(records: list[dict[str, Any]]) -> set[str]:
+    """Models whose records come from seeded random weights (``--random-init``): every figure marks them."""
+    return {r["model"]["name"] for r in records if r.get("random_init") or (r.get("model") or {}).get("random_init")}
