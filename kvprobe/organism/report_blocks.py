@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvprobe.organism.seeds import seed_table
+from kvprobe.organism.test_draws import sealed_draw_table
 from kvprobe.organism.validation import decision_table, phrasing_table, test_draw_table, validation_table
 
 
@@ -16,3 +17,4 @@ def register(register_block: Callable[[str, Callable[..., str]], None]) -> None:
     register_block("organism_test_draw", test_draw_table)
     register_block("organism_phrasings", phrasing_table)
     register_block("organism_decisions", decision_table)
+    register_block("sealed_draw", sealed_draw_table)

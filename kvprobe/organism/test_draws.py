@@ -111,3 +111,42 @@ def score_test_draw(folders: list[Path], draw_name: str, pairs: int | None = Non
     with path.open("a") as fh:
         fh.write(json.dumps(entry, sort_keys=True) + "\n")
     return block, entry
+
+
+SEALED_GOALS = "accuracy >= 0.90 in both cells and a median flip of 2-10 nats (pre-registered, commit 586145f)"
+
+
+def sealed_draw_table(_results_dir: Any = None, path: Path | None = None) -> str:
+    """Markdown: each organism's one scoring on a sealed draw (``organisms/test_log.jsonl``), per cell, with the
+    exact (Clopper-Pearson) interval of its accuracy and whether the pre-registered goals were met (the
+    ``kvprobe:sealed_draw`` block of RESULTS.md and the README)."""
+    from kvprobe.stats.inference import proportion_ci
+
+    rows = ["| organism | draw | unseen formats (system_user, tool_call) | train formats (gated_template, user_turn, "
+            "document_qa) | both cells | median flip (nats) | pre-registered goals met |", "|" + "---|" * 7]
+    for entry in read_log(path):
+        if not entry.get("sealed"):
+            continue
+        cells = entry["cells"]
+
+        def shown(name: str) -> str:
+            cell = cells[name]
+            n = 2 * cell["n_pairs"]  # each pair is decided both ways (old -> new and new -> old)
+            k = round(cell["accuracy_per_seed"][0] * n)
+            lo, hi = proportion_ci(k, n)
+            return f"{k}/{n} = {k / n:.3f} [{lo:.3f}, {hi:.3f}]"
+
+        accs = {name: cells[name]["accuracy_per_seed"][0] for name in ("test_unseen_formats", "test_train_formats")}
+        flip = cells["both"]["median_flip_per_seed"][0]
+        missed = [f"{'unseen' if n == 'test_unseen_formats' else 'train'} formats {a:.3f} < 0.90"
+                  for n, a in accs.items() if a < 0.9]
+        if not 2 <= flip <= 10:
+            missed.append(f"median flip {flip:.2f} outside 2-10")
+        rows.append(f"| `{entry['aliases'][0]}` | {entry['draw']} | {shown('test_unseen_formats')} | "
+                    f"{shown('test_train_formats')} | {shown('both')} | {flip:.2f} | "
+                    + ("yes" if not missed else "no: " + "; ".join(missed)) + " |")
+    if len(rows) == 2:
+        return "(no organism has been scored on a sealed draw yet: `kvprobe organism test ALIAS --draw NAME`)"
+    return "\n".join(rows) + (f"\n\nDecisions correct / decisions (each pair decided both ways, so the two decisions "
+                              f"of a pair are not independent). Goals: {SEALED_GOALS}. Intervals: exact "
+                              f"(Clopper-Pearson) on decisions, 95%.")

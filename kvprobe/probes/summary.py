@@ -20,6 +20,9 @@ def which(summary: dict[str, Any]) -> str:
     return "gated" if summary.get("n_included") else "all"
 
 
+MIN_CI_CLUSTERS = 5  # no interval is printed from fewer scenario clusters (kvprobe's rule, as in the claims table)
+
+
 def ci_cell(stat: dict[str, Any] | None, digits: int = 2, signed: bool = False) -> str:
     """``mean [ci_low, ci_high]`` of a summary, ``n/a`` when it holds no instance, and the mean with the
     reason where there is no interval (one instance or one scenario)."""
@@ -28,6 +31,8 @@ def ci_cell(stat: dict[str, Any] | None, digits: int = 2, signed: bool = False) 
     f = f"{{:{'+' if signed else ''}.{digits}f}}"
     if stat["n"] == 1:  # a bootstrap over one instance is no interval
         return f"{f.format(stat['mean'])} (one instance)"
+    if stat.get("n_clusters") is not None and stat["n_clusters"] < MIN_CI_CLUSTERS:  # resamples of 2-4 scenarios
+        return f"{f.format(stat['mean'])} ({stat['n_clusters']} clusters: no interval)"
     if stat.get("ci_low") is None or stat.get("ci_high") is None:
         return f"{f.format(stat['mean'])} (no CI: {stat.get('ci_note', 'one cluster')})"
     return f"{f.format(stat['mean'])} [{f.format(stat['ci_low'])}, {f.format(stat['ci_high'])}]"

@@ -145,6 +145,24 @@ def archive_page(results_dir: str | Path) -> str:
             f"{len(rows)} records.\n\n{table}\n")
 
 
+def archive_claims_page(results_dir: str | Path) -> str:
+    """The paper's claims on the records the study does not publish: their own page, apart from the headline and
+    from the study's BH family (these rows are corrected among themselves)."""
+    from kvprobe.claims import load_claims, ours_cell
+    from kvprobe.runner.report import markdown_table
+
+    rows = [r for r in load_claims(results_dir, scope="archive") if r.get("kind") != "identity"]
+    table = markdown_table([[f"{r['experiment']}: {r['claim']}" + ("" if r["template"] == "gated" else
+                                                                     f" ({r['template']})"),
+                             r["model"], ours_cell(r), r["verdict"], f"`{Path(*_record_key(r.get('record')))}`"]
+                            for r in rows], ("claim", "model", "ours [95% CI]", "verdict", "record"))
+    return (f"# Archive claims: the paper's claims on records the study does not publish\n\n{GENERATED_NOTE}\n\n"
+            "Earlier organisms, smaller or older runs, other prompt shapes, and records written from dirty trees. "
+            "None of these rows enters the headline in `results/claims.json`, the README or RESULTS.md; the "
+            "Benjamini-Hochberg correction runs among these rows alone. Identities are left out. "
+            f"{len(rows)} rows.\n\n{table}\n")
+
+
 def pages(results_dir: str | Path = "results") -> dict[str, str]:
     """Page file name (under docs/results/) -> its text."""
     from kvprobe.runner.report import published
@@ -152,6 +170,7 @@ def pages(results_dir: str | Path = "results") -> dict[str, str]:
     present = {r["experiment"] for r in published(results_dir)}
     out = {f"{e}.md": experiment_page(results_dir, e) for e in EXPERIMENT_ORDER if e in present}
     out["archive.md"] = archive_page(results_dir)
+    out["archive_claims.md"] = archive_claims_page(results_dir)
     return out
 
 

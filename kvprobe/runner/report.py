@@ -269,7 +269,25 @@ def _compare_block(results_dir: str | Path, *models: str) -> str:
     return markdown_table(compare_rows(results_dir, *models), compare_columns(*models))
 
 
+def claims_headline(results_dir: str | Path = "results") -> str:
+    """Per study model: k of N testable paper effects reproduced, from the claims table (``claims.json``, the
+    study's published records only): the one headline the README, RESULTS.md and ``claims.json`` share."""
+    import json
+
+    path = Path(results_dir) / "claims.json"
+    if not path.exists():
+        return "(no claims table yet: `kvprobe claims`)"
+    doc = json.loads(path.read_text())
+    lines = []
+    for model, h in doc.get("headline", {}).items():
+        others = ", ".join(f"{k}: {v}" for k, v in h["verdicts"].items() if k != "reproduced")
+        lines.append(f"- `{model}`: **{h['reproduced']} of {h['testable']}** testable paper effects reproduced"
+                     + (f" ({others})" if others else ""))
+    return "\n".join(lines) if lines else "(no paper effect tested on the published records)"
+
+
 GENERATORS: dict[str, Callable[..., str]] = {
+    "claims_headline": claims_headline,
     "report": lambda d: markdown_table(report_rows(d)),
     "headlines": headline_table,
     "study": study_table,
@@ -297,9 +315,87 @@ def _load_block_plugins() -> None:
         ep.load()(register_block)
 
 
+# -- numbers in the prose ---------------------------------------------------------------------------------------
+# A measured number in the prose is written as a reference the report fills from a record or the paper registry:
+#   <!-- kvprobe:v locality/smollm2-135m-gated-v3n2-seed2/561ca5f6e26d#summary.recovery.field_only.gated|ci -->0.01
+#   [0.00, 0.02]<!-- /kvprobe:v -->
+# SOURCE is a published record (experiment/model/hash under results/) and a dotted path into it, or
+# ``paper:<registry id>``; FORMAT is ``ci`` / ``ci3`` (mean [95% CI], no interval below 5 clusters), ``int``,
+# ``pct``, ``abs``-prefixed, or a Python format spec (``.2f``, the default; ``+.2f``). ``make report`` rewrites the
+# text between the markers, so a test fails when prose and record differ.
+_VALUE = re.compile(r"<!-- kvprobe:v (?P<spec>[^>]+?) -->(?P<body>.*?)<!-- /kvprobe:v -->", re.S)
+
+
+def _lookup(obj: Any, path: str, spec: str) -> Any:
+    cur = obj
+    for part in path.split("."):
+        if isinstance(cur, list) and part.lstrip("-").isdigit():
+            cur = cur[int(part)]
+        elif isinstance(cur, dict) and part in cur:
+            cur = cur[part]
+        else:
+            raise KVProbeError(f"prose reference '{spec}': no '{part}' in the record at '{path}'")
+    return cur
+
+
+def format_value(value: Any, fmt: str, spec: str) -> str:
+    """One referenced number as the prose prints it."""
+    from kvprobe.probes.summary import MIN_CI_CLUSTERS, ci_cell
+
+    if fmt in ("ci", "ci3", "+ci"):
+        if not isinstance(value, dict):
+            raise KVProbeError(f"prose reference '{spec}': format {fmt} needs a summary with mean and interval")
+        digits = 3 if fmt == "ci3" else 2
+        if (value.get("n_clusters") or value.get("n") or 0) < MIN_CI_CLUSTERS and value.get("mean") is not None:
+            return f"{value['mean']:{'+' if fmt == '+ci' else ''}.{digits}f} ({value.get('n_clusters', value.get('n'))} " \
+                   f"clusters: no interval)"
+        return ci_cell(value, digits, signed=fmt == "+ci")
+    if isinstance(value, dict) and "mean" in value:
+        value = value["mean"]
+    if value is None:
+        return "n/a"
+    if fmt == "int":
+        return str(int(round(float(value))))
+    if fmt == "pct":
+        return f"{100 * float(value):.0f}%"
+    if fmt.startswith("abs"):
+        return format(abs(float(value)), fmt[3:] or ".2f")
+    return format(float(value), fmt)
+
+
+def resolve_value(spec: str, results_dir: str | Path) -> str:
+    """The text of one prose reference (see :data:`_VALUE`)."""
+    source, _, fmt = spec.partition("|")
+    fmt = fmt or ".2f"
+    if source.startswith("paper:"):
+        from kvprobe.paper import paper_value
+
+        entry = paper_value(source[len("paper:"):])
+        return entry.shown() if fmt in (".2f", "shown") else format_value(entry.single, fmt, spec)
+    record_name, _, path = source.partition("#")
+    file = Path(results_dir) / f"{record_name}.json"
+    if not file.exists():
+        raise KVProbeError(f"prose reference '{spec}': no record {file}")
+    published_paths = {Path(r["_path"]).resolve() for r in published(results_dir)}
+    if published_paths and file.resolve() not in published_paths:
+        raise KVProbeError(f"prose reference '{spec}': {file} is not a record the study publishes (study.yaml); "
+                           f"cite the published run, or publish this one")
+    import json
+
+    return format_value(_lookup(json.loads(file.read_text()), path, spec), fmt, spec)
+
+
+def refresh_values(text: str, results_dir: str | Path = "results") -> str:
+    """``text`` with every prose reference refilled from its record."""
+    return _VALUE.sub(lambda m: f"<!-- kvprobe:v {m.group('spec')} -->{resolve_value(m.group('spec'), results_dir)}"
+                                f"<!-- /kvprobe:v -->", text)
+
+
 def refresh_markdown(text: str, results_dir: str | Path = "results") -> str:
-    """``text`` with every generated block rebuilt from the records under ``results_dir``."""
+    """``text`` with every generated block rebuilt from the records under ``results_dir``, and every prose
+    reference refilled."""
     _load_block_plugins()
+    text = refresh_values(text, results_dir)
 
     def fill(m: re.Match[str]) -> str:
         name = m.group("name")
