@@ -14,6 +14,7 @@ import numpy as np
 
 from kvprobe.figures.common import latest_per_model, legend_below, model_color, paper_band, save, short_model
 from kvprobe.figures.mechanism import dose_axes, grouped_bars, plot_curve, tag
+from kvprobe.paper import paper_value
 from kvprobe.probes.summary import which
 
 
@@ -46,7 +47,9 @@ def fig15a_heads(records: list[dict[str, Any]], path: Path) -> None:
         plot_curve(a, _curve(s["read_random"]), w, f"{short_model(name)} read random", ls=":", marker="x", color=col)
         plot_curve(a, _curve(s["write_top"]), w, f"{short_model(name)} write top-k", ls="--", marker="s", color=col)
         a.set_xticks(range(len(keys)), keys)
-    a.plot(range(5), [0.19, 0.45, 0.59, 0.70, 0.78], "k*--", ms=6, lw=0.8, label="paper read top-k (Llama-3.1-8B)")
+    topk = paper_value("figure.fig15a_heads.read_topk")
+    a.plot(range(len(topk.curve)), list(topk.curve.values()), "k*--", ms=6, lw=0.8,
+           label=f"paper read top-k ({topk.model})")
     a.set_xlabel("k heads patched jointly (stale -> oracle)", fontsize=8)
     a.set_ylabel("decision recovery", fontsize=8)
     a.axhline(0, color="black", lw=0.5)
@@ -93,7 +96,8 @@ def fig15c_write_share(records: list[dict[str, Any]], path: Path) -> None:
     b.set_xlabel("relative depth L", fontsize=8)
     b.set_ylabel("attention share of the residual change", fontsize=7)
     b.axhline(0.5, color="black", lw=0.4, ls=":")
-    paper_band(b, 0.60, 0.62, "paper Llama 0.60-0.62")
+    llama = paper_value("figure.fig15c_write_share.llama_attention")
+    paper_band(b, *llama.low_high, llama.label())
     for ax in (a, b):
         ax.tick_params(labelsize=7)
     legend_below(fig, a, ncol=2)
@@ -115,8 +119,9 @@ def fig15d_scrubbing(records: list[dict[str, Any]], path: Path) -> None:
     grouped_bars(b, per_model, ["drift", "note", "rest"], ["C7", "C3", "C0"],
                  lambda s, k: _stat(s["paper_metrics"][k][which(s)]))
     b.set_ylabel("share of the stale -> oracle gap", fontsize=8)
-    paper_band(b, 0.68, 0.82, "paper note 0.68-0.82", color="C3")
-    paper_band(b, 0.18, 0.32, "paper rest 0.18-0.32", color="C0")
+    for part, color in (("note", "C3"), ("rest", "C0")):
+        entry = paper_value(f"figure.fig15d_scrubbing.{part}")
+        paper_band(b, *entry.low_high, f"paper {part} {entry.shown()}", color=color)
     for ax in (a, b):
         ax.set_xticks(ax.get_xticks(), [t.get_text().replace(" (", "\n(") for t in ax.get_xticklabels()], fontsize=6)
         ax.tick_params(axis="y", labelsize=7)

@@ -17,6 +17,7 @@ from typing import Any
 import matplotlib.pyplot as plt
 
 from kvprobe.figures.common import bar_with_ci, latest_per_model, legend_below, model_color, save, short_model
+from kvprobe.paper import paper_value
 
 MODEL_COLORS = ("#3a78b5", "#e07b39", "#2e7d32", "#8e44ad", "#c0392b", "#7f8c8d", "#16a085")
 
@@ -40,14 +41,17 @@ def _panels(n: int, width: float = 4.2, height: float = 3.4):
     return fig, list(axes.flat)[:n]
 
 
-# The paper's Table 6 (Qwen3-8B): method -> (recompute %, P(correct)).
-PAPER_FRONTIER = {"full_reprefill": (100, 1.00), "hoist_to_end": (5.2, 1.00), "field_erratum": (12.6, 1.00),
-                  "erratum": (12.0, 1.00), "cacheblend@15%": (14.5, 0.13), "in_place": (0.6, 0.00), "stale": (0, 0.00)}
+
+
+def _paper_frontier() -> dict[str, tuple[float, float]]:
+    """The paper's Table 6 (Qwen3-8B): method -> (recompute %, P(correct)), from the registry."""
+    xs, ys = paper_value("figure.fig16_edit_frontier.points").curve, paper_value("figure.fig16_edit_frontier.correct").curve
+    return {m: (xs[m], ys[m]) for m in xs}
+
+
 METHOD_COLORS = {"stale": "#9e9e9e", "in_place": "#e07b39", "erratum": "#d1495b", "field_erratum": "#8d6a9f",
                  "hoist_to_end": "#2e8b57", "cacheblend@15%": "#8c564b", "full_downstream": "#1b6ca8",
                  "full_reprefill": "#000000"}
-# Fig. 3d: P(safe) per wording (Qwen3-8B).
-PAPER_WORDING = {"bare_value": 1.0, "tagged_update": 1.0, "explicit_override": 1.0, "aggressive": 0.81}
 
 
 def fig16_edit_frontier(records: list[dict[str, Any]], path: Path) -> None:
@@ -65,7 +69,7 @@ def fig16_edit_frontier(records: list[dict[str, Any]], path: Path) -> None:
             x, y = 100 * b["recompute_fraction"], b["p_correct"][which]["mean"]
             ax.scatter([x], [y], marker="s" if b.get("needs_prompt_surgery") else "o", s=30, zorder=3,
                        color=METHOD_COLORS.get(m, "#555555"), label=m.replace("_", " "))
-        for m, (x, y) in PAPER_FRONTIER.items():
+        for m, (x, y) in _paper_frontier().items():
             ax.scatter([x], [y], marker="x", s=22, color=METHOD_COLORS.get(m, "#555555"), lw=1, zorder=2)
         ax.set_xscale("symlog", linthresh=1)
         ax.set_xlim(-0.2, 130)
@@ -125,11 +129,13 @@ def fig3d_edit_wording(records: list[dict[str, Any]], path: Path) -> None:
         s = rec["summary"]
         wordings = list(s["wordings"])
         _grouped_bars(ax, s, [[f"{arm}/{w}" for w in wordings] for arm in s["arms"]], wordings, s["arms"])
+        wording = paper_value("figure.fig3d_edit_wording.p_safe")
         for i, w in enumerate(wordings):
-            if w in PAPER_WORDING:
-                ax.plot([i - 0.4, i + 0.4], [PAPER_WORDING[w]] * 2, color="black", lw=1.2, ls="--")
+            if w in wording.curve:
+                ax.plot([i - 0.4, i + 0.4], [wording.curve[w]] * 2, color="black", lw=1.2, ls="--")
         ax.set_title(_tag(name, s), fontsize=8)
-    axes[0].plot([], [], color="black", ls="--", label="paper P(safe), Qwen3-8B")
+    axes[0].plot([], [], color="black", ls="--",
+                 label="paper P(safe), Qwen3-8B: new value already in context, after a chain (not a stale cache)")
     fig.suptitle("Erratum wording (paper Fig. 3d)", fontsize=10)
     legend_below(fig, axes[0], ncol=3)
     save(fig, path)
@@ -145,11 +151,14 @@ def fig2c_edit_cot(records: list[dict[str, Any]], path: Path) -> None:
         # the chain budget is per record (24 tokens on the organisms, 48 on the chat shape): in each title
         _grouped_bars(ax, s, [[f"{mode}/{m}" for m in methods] for mode in ("direct", "cot")], methods,
                       ["direct", "after a greedy chain"])
-        if "in_place" in methods:  # the paper's in-place result: 0.00 direct, 1.00 with a chain (Qwen3-8B)
-            i = methods.index("in_place")
-            ax.plot([i - 0.4, i], [0.0, 0.0], [i, i + 0.4], [1.0, 1.0], color="black", lw=1.2, ls="--")
+        if "in_place" in methods:  # the paper's in-place result, direct and with a chain (Qwen3-8B)
+            i, paper = methods.index("in_place"), paper_value("figure.fig2c_edit_cot.in_place").curve
+            ax.plot([i - 0.4, i], [paper["direct"]] * 2, [i, i + 0.4], [paper["chain"]] * 2, color="black", lw=1.2,
+                    ls="--")
         ax.set_title(f"{_tag(name, s)}; chain {cot['chain_tokens']} tok", fontsize=8)
-    axes[0].plot([], [], color="black", ls="--", label="paper in_place (Qwen3-8B): 0.00 direct, 1.00 with a chain")
+    in_place = paper_value("figure.fig2c_edit_cot.in_place")
+    axes[0].plot([], [], color="black", ls="--", label=f"paper in_place ({in_place.model}): "
+                 f"{in_place.curve['direct']:.2f} direct, {in_place.curve['chain']:.2f} with a chain")
     fig.suptitle("Chain-of-thought gates the in-place edit (paper Fig. 2c)", fontsize=10)
     legend_below(fig, axes[0], ncol=3)
     save(fig, path)
@@ -160,8 +169,12 @@ def fig23_long_horizon(records: list[dict[str, Any]], path: Path) -> None:
     for rec in records:  # newest record per (model, scheme): the erratum scheme is a control, drawn alongside
         per_run[f"{rec['model']['name']} [{rec['summary']['scheme']}]"] = rec
     fig, (a, b) = _panels(2, width=4.6)
-    a.axhspan(0.79, 0.99, color="grey", alpha=0.2, lw=0, label="paper agreement 0.79-0.99")
-    b.axhspan(0.987, 0.999, color="grey", alpha=0.2, lw=0, label="paper cosine 0.987-0.999")
+    # App. G's bands are for the append-only erratum scheme (no stale KV): drawn as that scheme's, not field_erratum's
+    for ax, key, what in ((a, "long_horizon.agreement_in_range[scheme=erratum]", "agreement"),
+                          (b, "long_horizon.cosine_high[scheme=erratum]", "cosine")):
+        lo, hi = paper_value(key).low_high
+        ax.axhspan(lo, hi, color="grey", alpha=0.2, lw=0, label=f"paper {what} {paper_value(key).shown()} "
+                                                                "(erratum scheme, no stale KV)")
     low = 1.0
     for i, (name, rec) in enumerate(per_run.items()):
         s, color = rec["summary"], model_color(rec["model"]["name"])

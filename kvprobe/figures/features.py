@@ -13,6 +13,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from kvprobe.figures.common import latest_per_model, save, short_model, task_template
+from kvprobe.paper import paper_value
 
 
 def _mean(stat: dict[str, Any] | None) -> float:
@@ -62,8 +63,10 @@ def fig15b_directions(records: list[dict[str, Any]], path: Path) -> None:
         a.set_title(f"{short_model(name)}: held-out ({over})", fontsize=7)
         a.axhline(0, color="black", lw=0.5)
         a.axhline(1, color="black", lw=0.4, ls=":")
-        a.axhspan(0.22, 0.23, color="black", alpha=0.3, lw=0)
-        a.annotate("paper dom 0.22-0.23", (1.0, 0.235), xycoords=("axes fraction", "data"), ha="right", fontsize=5)
+        dom = paper_value("figure.fig15b_directions.dom")
+        a.axhspan(*dom.low_high, color="black", alpha=0.3, lw=0)
+        a.annotate(f"paper dom {dom.shown()} (not the same quantity)", (1.0, dom.low_high[1]),
+                   xycoords=("axes fraction", "data"), ha="right", va="bottom", fontsize=5)
         a.legend(fontsize=5)
         b = row[1]
         scored = [x for x in sites if np.isfinite(_mean(x["effects"]["dir:dom"]["recovery"]))]
@@ -119,7 +122,9 @@ def fig15e_sae(records: list[dict[str, Any]], path: Path) -> None:
         a.set_xlabel("top-k features clamped at the notes", fontsize=7)
         a.set_ylabel("recovery to other decision", fontsize=7)
         a.set_title(f"{short_model(name)}: clamping (held-out pairs)", fontsize=7)
-        a.plot(range(4), [0.0, 0.30, 0.50, 0.54], "k*--", ms=5, lw=0.8, label="paper, k=1/3/10/30 (Llama-3.1-8B)")
+        clamp = paper_value("figure.fig15e_sae.clamp_topk")
+        a.plot(range(len(clamp.curve)), list(clamp.curve.values()), "k*--", ms=5, lw=0.8,
+               label=f"paper, k={'/'.join(clamp.curve)} ({clamp.model})")
         a.axhline(0, color="black", lw=0.5)
         a.legend(fontsize=5)
         b.axhline(0.5, color="black", lw=0.4, ls=":")

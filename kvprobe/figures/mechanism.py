@@ -14,6 +14,7 @@ import matplotlib.pyplot as plt
 
 from kvprobe.figures.common import (bar_with_ci, latest_per_model, legend_below, model_color, paper_band, save,
                                    short_model)
+from kvprobe.paper import paper_value
 from kvprobe.probes.summary import which
 from kvprobe.runner.records import task_stem
 
@@ -92,8 +93,9 @@ def fig_writability(records: list[dict[str, Any]], path: Path) -> None:
     a.set_ylabel("recovery toward the note", fontsize=8)
     b.set_xlabel("top-K notes injected", fontsize=8)
     b.set_ylabel("follow rate", fontsize=8)
-    paper_band(a, 0.98, 1.02, "paper, all notes: 0.98-1.02")
-    paper_band(b, 1.0, 1.0, "paper: 1.0")
+    inject, follow = paper_value("writability.inject_all_one"), paper_value("writability.follow_rate_top8")
+    paper_band(a, *inject.low_high, f"paper, all notes: {inject.shown()}")
+    paper_band(b, *follow.low_high, f"paper: {follow.shown()}")
     legend_below(fig, a)
     save(fig, path)
 
@@ -105,8 +107,9 @@ def table4_dissociation(records: list[dict[str, Any]], path: Path) -> None:
                  lambda s, k: s["recovery"][k][which(s)])
     ax.set_ylabel("recovery toward the flipped conclusion", fontsize=8)
     ax.set_title("Dissociation, field held identical (paper Table 4 left)", fontsize=10)
-    paper_band(ax, -0.007, 0.007, "paper trigger-only -0.007..0.007", color="#e07b39")
-    paper_band(ax, 0.998, 1.009, "paper notes 0.998-1.009", color="#3a78b5")
+    trigger, notes = paper_value("dissociation.trigger_only_zero@polarity"), paper_value("dissociation.notes_one@polarity")
+    paper_band(ax, *trigger.low_high, f"paper trigger-only {trigger.shown()}", color="#e07b39")
+    paper_band(ax, *notes.low_high, f"paper notes {notes.shown()}", color="#3a78b5")
     legend_below(fig, ax, ncol=3)
     save(fig, path)
 
@@ -135,7 +138,8 @@ def fig_probes(records: list[dict[str, Any]], path: Path) -> None:
 def fig_timing(records: list[dict[str, Any]], path: Path) -> None:
     per_model = latest_per_model(records)
     fig, ax = plt.subplots(figsize=(6.5, 3.4))
-    ax.axvspan(0.73, 0.77, color="grey", alpha=0.3, label="paper commit depth 0.73-0.77 (Qwen3, Llama)")
+    commit = paper_value("figure.appC_timing.commit_depth")
+    ax.axvspan(*commit.low_high, color="grey", alpha=0.3, label=f"paper commit depth {commit.shown()} (Qwen3, Llama)")
     for m, (name, rec) in enumerate(per_model.items()):
         s = rec["summary"]
         pts = [((i + 1) / s["n_layers"], a) for i, a in enumerate(s["write_probe"]["acc"]) if a is not None]

@@ -9,6 +9,7 @@ import matplotlib.pyplot as plt
 
 from kvprobe.figures.common import latest_per_model, legend_below, paper_band, save
 from kvprobe.figures.mechanism import grouped_bars
+from kvprobe.paper import paper_value
 from kvprobe.probes.summary import which
 
 
@@ -21,7 +22,8 @@ def table4_specificity(records: list[dict[str, Any]], path: Path) -> None:
                  lambda s, k: s["recovery"][k][which(s)])
     ax.set_ylabel("decision recovery", fontsize=8)
     ax.set_title("Specificity: top-k vs random-k (paper Table 4 right)", fontsize=10)
-    paper_band(ax, 0.74, 0.79, "paper top-8 0.74-0.79", color="#3a78b5")
-    paper_band(ax, 0.0, 0.035, "paper rand-8 <= 0.035", color="#8d8d8d")
+    top8, rand8 = paper_value("figure.table4_specificity.top8"), paper_value("figure.table4_specificity.random8")
+    paper_band(ax, *top8.low_high, f"paper top-8 {top8.shown()}", color="#3a78b5")
+    paper_band(ax, *rand8.low_high, f"paper rand-8 <= {rand8.low_high[1]:g}", color="#8d8d8d")
     legend_below(fig, ax, ncol=len(keys))
     save(fig, path)

@@ -8,6 +8,7 @@ from typing import Any
 
 from kvprobe.figures.common import latest_per_model, legend_below, model_color, paper_band, save, short_model
 from kvprobe.figures.mechanism import dose_axes, plot_curve, tag
+from kvprobe.paper import paper_value
 from kvprobe.probes.summary import which
 
 
@@ -31,7 +32,9 @@ def fig3bc_suffix(records: list[dict[str, Any]], path: Path) -> None:
     a.set_xlabel("top-K positions patched" + (" + field" if s.get("include_field") else ""), fontsize=7)
     a.set_ylabel("decision recovery", fontsize=7)
     a.axhline(1, color="black", lw=0.4, ls=":")
-    paper_band(a, 0.74, 0.79, "paper top-8: 0.74-0.79")
+    # the suffix curve's top-8 across the paper's seven released models (Fig. 3b draws Llama's alone)
+    top8 = paper_value("suffix.crossfit_top8_recovery")
+    paper_band(a, *top8.low_high, f"paper top-8 {top8.shown()} (7 models)")
     b.set_xlabel("relative depth (solid: one layer; dashed: band)", fontsize=7)
     c.set_xlabel("relative position (field -> decision)", fontsize=7)
     c.set_ylabel("single-position recovery", fontsize=7)

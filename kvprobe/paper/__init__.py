@@ -34,7 +34,8 @@ class Source(_Strict):
 
     quote: str | None = Field(None, description="a sentence (or clause) of the paper, verbatim")
     record: str | None = Field(None, description="a file of the paper's released records, e.g. results/x.json")
-    field: str | None = Field(None, description="the dotted path of the number in that record")
+    field: str | None = Field(None, description="the dotted path of the number in that record; for a curve, with "
+                                                "'{k}' where each point's key goes")
 
     @model_validator(mode="after")
     def _one_kind(self) -> Source:
@@ -59,8 +60,14 @@ class PaperValue(_Strict):
     ci: tuple[float, float] | None = Field(None, description="the paper's interval, where it gives one")
     model: str | None = None
     condition: str | None = Field(None, description="task, arm, scheme, placement: what the number is of")
+    curve: dict[str, float] | None = Field(None, description="values along a sweep, e.g. recovery at k = 1/3/5 "
+                                                             "heads (a figure's paper curve)")
     location: str = Field(description="section, figure or table: 'Sec. 3 (1)', 'Fig. 9b', 'Tab. 6'")
     source: Source | None = None
+
+    def label(self, prefix: str = "paper") -> str:
+        """A figure's legend text for this mark: 'paper 0.27-0.82 (Llama-3.1-8B)'."""
+        return f"{prefix} {self.shown()}" + (f" ({self.model})" if self.model else "")
 
     @property
     def low_high(self) -> tuple[float, float] | None:
