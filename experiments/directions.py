@@ -75,7 +75,7 @@ class Params(BaseModel):
     kinds: list[Literal["resid", "v", "k"]] = Field(default_factory=lambda: ["resid", "v", "k"])
     heads: list[int] | None = Field(None, description="KV heads for v/k sites (None: all)")
     eval_families: list[str] = Field(default_factory=lambda: list(HELD_OUT_DEFAULT))
-    n_random: int = Field(2, ge=1, description="random directions per site (the control)")
+    n_random: int = Field(20, ge=1, description="random directions per site (the control; shared by every instance, so the claims need >= 20)")
     alphas: list[float] = Field(default_factory=lambda: [0.0, 0.5, 1.0, 2.0, 4.0, 8.0],
                                 description="steering doses in multiples of the training gap along the direction")
     fit_on: Literal["flipping", "all"] = Field("flipping", description="flipping: pairs whose two prompts "
@@ -367,21 +367,21 @@ EXPERIMENT = Experiment(name="directions", doc=__doc__, params=Params, run_insta
                         claims=tuple(c for stem in ("gated", "polarity") for c in (
                             Claim("dom_vs_random", "the dom direction at the note residual recovers more than a "
                                   "random direction (held-out pairs, paired)", "greater", "held_out_site.dom",
-                                  "held_out_site.random", template=stem, role="control"),
+                                  "held_out_site.random", template=stem, role="control", control_draws="n_random"),
                             # The paper's scale-free quantity: our absolute recovery patches 2 notes, the paper's
                             # one aggregator, so only the share of the full-site patch is comparable.
                             near("dom_share_in_range", "the dom direction recovers the paper's share of the "
                                  "full-site patch (held-out pairs)",
                                  "held_out_site.dom / held_out_site.full", 0.28, template=stem,
                                  in_paper_range=True, role="effect"),
-                            near("random_zero", "a random direction at the same site recovers ~0", "held_out_site.random", 0.0, template=stem, role="control"))) + (
+                            near("random_zero", "a random direction at the same site recovers ~0", "held_out_site.random", 0.0, template=stem, role="control", control_draws="n_random"))) + (
                             # Controls that can win against the dom direction: a random direction in the span of
                             # the training differences, and the shuffled-label difference of means (the paper
                             # compares against a random 1-D direction only). Declared on the gated template, whose
                             # records carry them; the polarity records predate them.
                             Claim("dom_vs_span_random", "the dom direction at the note residual recovers more than a "
                                   "random direction in the span of the training differences (held-out, paired)", "greater", "held_out_site.dom",
-                                  "held_out_site.span", template="gated", role="control"),
+                                  "held_out_site.span", template="gated", role="control", control_draws="n_random"),
                             Claim("dom_vs_shuffled", "the dom direction at the note residual recovers more than the "
                                   "difference of means under shuffled conclusion labels (held-out, paired)", "greater", "held_out_site.dom", "held_out_site.shuffled",
-                                  template="gated", role="control")))
+                                  template="gated", role="control", control_draws="n_random")))

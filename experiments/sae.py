@@ -58,7 +58,7 @@ class Params(BaseModel):
     keep_bands: int = Field(3, ge=1, description="... then single slots inside the strongest bands")
     eval_families: list[str] = Field(default_factory=lambda: list(HELD_OUT_DEFAULT))
     clamp_k: list[int] = Field(default_factory=lambda: [1, 3, 10, 30])
-    n_random: int = Field(3, ge=1)
+    n_random: int = Field(20, ge=1, description="random feature sets per k (the control; shared by every instance, so the claims need >= 20)")
     n_top: int = Field(5, ge=1, description="top conclusion features whose top tokens are decoded")
     n_dead_tokens: int = hash_neutral(100_000, ge=0, description="neutral tokens (from the start of the text, "
                                       "the SAE's training text included) over which dead features are counted; 0: "
@@ -368,7 +368,7 @@ EXPERIMENT = Experiment(name="sae", doc=__doc__, params=Params, run_instance=run
                             # value for unrelated features, and not norm-matched, so this control can hardly fail
                             Claim("clamp_top10_vs_random", "clamping the top-10 conclusion features at the notes "
                                   "recovers more than 10 random live features (held-out pairs, paired)", "greater", "held_out_clamp.top10",
-                                  "held_out_clamp.random10", template=stem, role="control"),
+                                  "held_out_clamp.random10", template=stem, role="control", control_draws="n_random"),
                             near("clamp_top10_in_range", "clamping the top-10 conclusion features recovers as in "
                                  "the paper (held-out pairs)", "held_out_clamp.top10", 0.5,
                                  template=stem, role="effect"),
@@ -380,4 +380,4 @@ EXPERIMENT = Experiment(name="sae", doc=__doc__, params=Params, run_instance=run
                             # at each note as the top-10 clamp
                             Claim("clamp_top10_vs_norm_matched", "clamping the top-10 conclusion features recovers "
                                   "more than 10 random live features moved by the same L2 perturbation (held-out "
-                                  "pairs, paired)", "greater", "held_out_clamp.top10", "held_out_clamp.matched10", template=stem, role="control"))))
+                                  "pairs, paired)", "greater", "held_out_clamp.top10", "held_out_clamp.matched10", template=stem, role="control", control_draws="n_random"))))

@@ -78,6 +78,7 @@ KVPROBE_RATE_BOUND = 1 - ACCURACY_MARGIN  # kvprobe's own bound for decision rat
 COMPETENCE_GATE = 0.80  # kvprobe's gate on full-recompute accuracy (the paper's App. H admits a model at >= 0.80)
 CHANCE = 0.5  # two actions: the full recompute must also be right above chance (exact CI)
 RULE_BEFORE_FIELD = (("rule_at", "before_field"),)  # generated instances with the rule first: not the paper's layout
+MIN_CONTROL_DRAWS = 20  # a random control shared by every instance is averaged over at least this many draws
 RATIO_FLOOR = 0.05  # a share a / b is undefined where |b| is below this (no full-site effect to share)
 DIGITS = 4  # significant digits written to claims.json: the file is byte-identical across runs and BLAS builds
 Kind = Literal["equivalent", "greater", "at_least", "agrees", "identity", "describe"]
@@ -112,6 +113,9 @@ class Claim:
     competence: tuple[str, ...] = ()
     # rows in a condition the paper's number is not about, left out: ((row path, value), ...)
     exclude: tuple[tuple[str, Any], ...] = ()
+    # the record param holding how many random draws make the control arm, where one set of draws is shared by every
+    # instance (its draw-to-draw variance is then not in the interval): fewer than MIN_CONTROL_DRAWS is no test
+    control_draws: str | None = None
     described: str = ""  # why a "describe" claim is shown and not tested (in-sample, a near-construction, ...)
     # joined from the registry (kvprobe.paper) by declared_claims():
     paper: str = ""  # the paper's number(s), as stated, with its model and condition
@@ -124,12 +128,12 @@ class Claim:
 def near(key: str, text: str, a: str, target: float, margin: float = RECOVERY_MARGIN, template: str = "gated",
          in_paper_range: bool = False, gated: bool = True, b: str | None = None, role: Role | None = None,
          params: tuple[tuple[str, Any], ...] = (), only: str | None = None, kind: Kind = "equivalent",
-         competence: tuple[str, ...] = (), described: str = "", exclude: tuple[tuple[str, Any], ...] = ()
-         ) -> Claim:
+         competence: tuple[str, ...] = (), described: str = "", exclude: tuple[tuple[str, Any], ...] = (),
+         control_draws: str | None = None) -> Claim:
     """``a`` (or ``a - b``) ~ ``target`` +- ``margin`` (or within the paper's range +- ``margin``): a TOST
     (``kind="describe"``: the same quantity, shown and not tested)."""
     return Claim(key, text, kind, a, b, (target - margin, target + margin), None, template, gated, role,
-                 params, only, margin, in_paper_range, competence, exclude, described)
+                 params, only, margin, in_paper_range, competence, exclude, control_draws, described)
 
 
 def kvprobe_bound(claim: Claim) -> str:
@@ -380,6 +384,13 @@ def evaluate(claim: Claim, record: dict[str, Any]) -> dict[str, Any]:
                            "n": 0, "n_clusters": 0, "unit": None, "n_units": 0, "n_needed": None, "test": None,
                            "ours": {}, "notes": [], "kvprobe_bound": kvprobe_bound(claim) or None,
                            "paper_range": _paper_range(claim)}
+    if claim.control_draws and claim.kind not in ("identity", "describe"):
+        draws = _record_params(record).get(claim.control_draws)
+        if draws is not None and int(draws) < MIN_CONTROL_DRAWS:
+            out.update(status="empty", control_draws=int(draws),
+                       notes=[f"the random control is {draws} draws shared by every instance; kvprobe needs >= "
+                              f"{MIN_CONTROL_DRAWS} (rerun with params.{claim.control_draws}={MIN_CONTROL_DRAWS})"])
+            return out
     if gate is not None:
         out["competence"] = gate
         if not gate["competent"] and claim.kind not in ("identity", "describe"):

@@ -270,7 +270,9 @@ def test_summaries_cluster_by_scenario_and_give_exact_rates():
     # 24 of 24: the exact lower bound solves p ** 24 = 0.025
     assert g["oracle_accuracy"] == 1.0 and g["oracle_accuracy_ci"]["ci_low"] == pytest.approx(0.025 ** (1 / 24))
     one = recovery_summary(rows[:6], ["rec"])["rec"]["all"]  # one scenario: no interval, and it says so
-    assert one["ci_low"] is None and "no CI" in ci_cell(one)
+    assert one["ci_low"] is None and "no interval" in ci_cell(one)
+    four = s["rec"]["gated"]  # 4 scenarios: the bootstrap interval exists, but none is printed below 5 clusters
+    assert ci_cell(four).endswith("(4 clusters: no interval)")
     assert ci_cell({"mean": 0.0, "ci_low": 0.0, "ci_high": 0.26, "n": 12}) == "0.00 [0.00, 0.26]"  # schema 1
 
 
