@@ -42,6 +42,7 @@ from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.stats.inference import summarize_proportion
 from kvprobe.tasks.edits import decision_offset, erratum_body, erratum_line, prompt_ids
 from kvprobe.tasks.gated import action_token, instance_prompt, segment_prompt
+from kvprobe.paper import headlines as paper_headlines
 
 
 BASELINES = ("front", "end")
@@ -206,8 +207,7 @@ def table(s: dict[str, Any]) -> str:
 EXPERIMENT = Experiment(
     name="agent", doc=__doc__, needs_template=True, params=Params, run_instance=run_instance,
     summarize=summarize_rows, table=table, headline=lambda s: table(s).split("\n")[0].split("; ", 1)[1],
-    paper={"gated": "unified vs full agreement 0.81-1.00 over 13 models (Llama-3.1-8B 0.963), cumulative-TTFT "
-                    "speedup up to 14.9x (Fig. 7b); 2.3-4.3x over reprefill-every-turn (Fig. 12b)"},
+    paper=paper_headlines("agent"),
     claims=(
         Claim("agent_agreement", "the unified agent decides as full recompute every turn", "at_least", "all_agree", bound=1 - ACCURACY_MARGIN,
               gated=False, role="effect", competence=("turns.*.full_correct",)),

@@ -48,6 +48,7 @@ from kvprobe.claims import Claim, near
 from kvprobe.runner.config import hash_neutral
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.probes.summary import ci_cell, gate_summary, summarize_column
+from kvprobe.paper import headlines as paper_headlines
 
 CONTROLS = ("span", "shuffled")  # random direction in the training differences' span; shuffled-label dom
 HELD_OUT_DEFAULT = ["accounts", "inventory", "payments", "promotions"]  # the organisms' held-out families
@@ -359,11 +360,7 @@ def headline(s: dict[str, Any]) -> str:
 
 EXPERIMENT = Experiment(name="directions", doc=__doc__, params=Params, run_instance=run_instance,
                         summarize=summarize_rows, make_instances=_make_instances, table=table, headline=headline,
-                        paper={"gated": "dom direction on the aggregator residual recovers 0.22-0.23 at Llama L12-14, "
-                                        "~39% of the full single-site patch (0.57), random 1-D 0.01; Gemma 0.10 vs "
-                                        "random 0.00 of full 0.61; Mistral 0.07 of 0.36 (App. D (2), polarity task)",
-                               "polarity": "dom direction on the aggregator residual recovers 0.22-0.23 at Llama "
-                                           "L12-14, ~39% of the full single-site patch, random 1-D 0.01 (App. D (2))"},
+                        paper=paper_headlines("directions"),
                         claims=tuple(c for stem in ("gated", "polarity") for c in (
                             Claim("dom_vs_random", "the dom direction at the note residual recovers more than a "
                                   "random direction (held-out pairs, paired)", "greater", "held_out_site.dom",

@@ -23,6 +23,7 @@ from kvprobe.claims import Claim, near
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.probes.common import case_row, polarity_instances, probe_case
 from kvprobe.probes.summary import format_recovery_table, gate_summary, headline_stats, recovery_summary
+from kvprobe.paper import headlines as paper_headlines
 
 STATES = ("stale", "trigger_only", "notes", "trigger_and_notes", "oracle")
 
@@ -61,6 +62,5 @@ EXPERIMENT = Experiment(name="dissociation", doc=__doc__, run_instance=run_insta
                         make_instances=polarity_instances, table=lambda s: format_recovery_table(s, STATES),
                         headline=lambda s: headline_stats(s, "recovery", {"trigger_only": "trigger-only",
                                                                         "notes": "notes"}),
-                        paper={t: "trigger-only -0.007 to +0.007 vs notes 0.998-1.009 (Tab. 4 left)"
-                               for t in ("polarity", "polarity_wide")},
+                        paper=paper_headlines("dissociation"),
                         claims=claims_on("polarity") + claims_on("polarity_wide"))

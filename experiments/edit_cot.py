@@ -29,6 +29,7 @@ from kvprobe.probes.edit_summary import (base_row, edit_case, edit_gate_summary,
                                          method_entry, methods_headline, methods_summary, read_ld)
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.tasks.edits import answer_prefix_tokens, erratum_body, erratum_line, prompt_ids
+from kvprobe.paper import headlines as paper_headlines
 
 METHODS = ("stale", "in_place", "erratum", "field_erratum", "full_reprefill")
 MODES = ("direct", "cot")
@@ -120,7 +121,7 @@ def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
 EXPERIMENT = Experiment(name="edit_cot", doc=__doc__, params=Params, run_instance=run_instance,
                         summarize=summarize_rows, table=lambda s: format_methods_table(s, list(s["methods"])),
                         headline=lambda s: methods_headline(s),
-                        paper={"gated": "in_place: 1.00 with CoT, 0.00 without; the erratum fixes both (Fig. 2c)"},
+                        paper=paper_headlines("edit_cot"),
                         claims=(Claim("cot_in_place_vs_direct", "in_place is correct with a chain, not without (paired)", "greater", "methods.cot/in_place.correct",
                                       "methods.direct/in_place.correct", role="effect"),
                                 Claim("cot_in_place_vs_reprefill", "with a chain, in_place decides as full reprefill",

@@ -40,6 +40,7 @@ from kvprobe.probes.edit_summary import (base_row, edit_case, edit_gate_summary,
 from kvprobe.claims import KVPROBE_RATE_BOUND, Claim, near
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.tasks.edits import erratum_body, erratum_line, hoisted_body, prompt_ids
+from kvprobe.paper import headlines as paper_headlines
 
 # Table 6 order (most compute first); selective@K and full_downstream join the frontier figure.
 TABLE = ("full_reprefill", "hoist_to_end", "field_erratum", "erratum", "full_downstream", "in_place", "stale")
@@ -135,9 +136,7 @@ EXPERIMENT = Experiment(name="edit_frontier", doc=__doc__, params=Params, run_in
                         summarize=summarize_rows, table=table,
                         headline=lambda s: methods_headline(s, [n for n in s["methods"] if not n.startswith("selective@")])
                         + f"; K* (selective@K recovery >= 0.9) {s['k_star']}",
-                        paper={"gated": "P(correct) @recompute, Qwen3-8B (Tab. 6): full reprefill 1.00 @100%, "
-                                        "hoist-to-end 1.00 @5.2% (surgery), field+erratum 1.00 @12.6%, erratum 1.00 "
-                                        "@12.0%, CacheBlend@15% 0.13 @14.5%, in_place 0.00 @0.6%, stale 0.00 @0%"},
+                        paper=paper_headlines("edit_frontier"),
                         claims=(Claim("erratum_vs_reprefill", "erratum decides as full reprefill", "agrees",
                                       "methods.erratum.correct", "methods.full_reprefill.correct",
                                       bound=KVPROBE_RATE_BOUND, role="effect"),

@@ -44,6 +44,7 @@ from kvprobe.stats.bootstrap import summarize
 from kvprobe.stats.inference import mcnemar_exact, summarize_proportion
 from kvprobe.tasks.edits import erratum_body, erratum_line, prompt_ids
 from kvprobe.tasks.gated import segment_prompt
+from kvprobe.paper import headlines as paper_headlines
 
 PATHS = ("normal", "composed")
 
@@ -202,8 +203,7 @@ def _diagonal(name: str, **declared: str) -> Claim:
 EXPERIMENT = Experiment(
     name="edit_in_transplant", doc=__doc__, needs_template=True, params=Params, run_instance=run_instance,
     summarize=summarize_rows, table=table, headline=headline,
-    paper={"gated": "composed ~ recomputed for every method (points on the diagonal); in_place ~0.05, sel@32 "
-                    "~0.80, erratum strongest (Gemma-2-9B, Llama-3.1-8B; Fig. 7a)"},
+    paper=paper_headlines("edit_in_transplant"),
     claims=(
         _diagonal("in_place", role="effect"),
         _diagonal("selective@32", role="effect"),

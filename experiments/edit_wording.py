@@ -29,6 +29,7 @@ from kvprobe.probes.edit_summary import (base_row, edit_case, edit_gate_summary,
                                          method_entry, methods_headline, methods_summary, read_ld)
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.tasks.edits import WORDINGS, erratum_body, erratum_line, prompt_ids
+from kvprobe.paper import headlines as paper_headlines
 
 ARMS = ("erratum", "field_erratum")
 
@@ -88,10 +89,7 @@ def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
 EXPERIMENT = Experiment(name="edit_wording", doc=__doc__, params=Params, run_instance=run_instance,
                         summarize=summarize_rows, table=lambda s: format_methods_table(s, list(s["methods"])),
                         headline=lambda s: methods_headline(s),
-                        paper={"gated": "P(safe), wording added to a context already holding the new value, "
-                                        "after a chain (Qwen3-8B, n = 36): bare value 1.00, tagged update 1.00, explicit "
-                                        "override 0.97, aggressive 0.81 (Sec. 3, Fig. 3d); no number for an erratum "
-                                        "over a stale cache"},
+                        paper=paper_headlines("edit_wording"),
                         # Fig. 3d appends the wording to a context that already holds the new value, read after a chain (Qwen3-8B,
                         # thinking on, n = 36); kvprobe appends it as an erratum over a stale cache and reads
                         # directly. The paper has no number for that condition: these rows are described only.

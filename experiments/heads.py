@@ -32,6 +32,7 @@ from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.probes.common import case_row, curve_summary, curves_table
 from kvprobe.probes.controls import crossfit_scores, crossfit_summary, crossfit_top
 from kvprobe.probes.summary import ci_cell, gate_summary, headline_stats, which
+from kvprobe.paper import headlines as paper_headlines
 
 CURVES = ("write_top", "write_random", "read_top", "read_random", "identity")
 
@@ -168,10 +169,7 @@ def headline(s: dict[str, Any]) -> str:
 
 EXPERIMENT = Experiment(name="heads", doc=__doc__, params=Params, run_instance=run_instance,
                         summarize=summarize_rows, table=table, headline=headline,
-                        paper={"gated": "App. D (1), polarity task: top-k read heads jointly recover 0.19/0.45/0.59/"
-                                        "0.70/0.78 at k=1/3/5/8/12 (Llama-3.1-8B; top-12 0.77/0.72/0.82 on Qwen3-8B/"
-                                        "Gemma-2-9B/Mistral-7B; random heads ~0); write heads at the single top "
-                                        "aggregator saturate at 0.28/0.08/0.24/0.11 (Tab. 5)"},
+                        paper=paper_headlines("heads"),
                         claims=(near("read_top12_in_range", "top-12 read heads jointly recover in the paper's range", "read_top.12", 0.77,
                                      in_paper_range=True, role="effect", kind="describe", described="in-sample: heads ranked on the instances they are scored on; crossfit_read_top12_in_range is the test"),
                                 Claim("read_top12_dose", "the read-head dose curve rises: top-8 recover more than "

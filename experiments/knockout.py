@@ -29,6 +29,7 @@ from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.probes.common import curve_summary, curves_table
 from kvprobe.probes.controls import crossfit_cell, crossfit_positions, crossfit_summary, keep_ranking
 from kvprobe.probes.summary import gate_summary, headline_stats
+from kvprobe.paper import headlines as paper_headlines
 
 CURVES = ("knockout_top", "knockout_random", "knockout_band", "reverts_top")
 
@@ -130,10 +131,7 @@ def table(s: dict[str, Any]) -> str:
 EXPERIMENT = Experiment(name="knockout", doc=__doc__, params=Params, run_instance=run_instance,
                         summarize=summarize_rows, table=table,
                         headline=headline,
-                        paper={"gated": "ablating the top-effect tokens returns the decision to stale; the effect "
-                                        "grows with their number (Sec. 3 (4) prose, no table). The released records "
-                                        "run the other way: masking the decision's attention to the stale notes in "
-                                        "the field-only state moves it to the new value (0.00 -> 1.00 at 25% masked)"},
+                        paper=paper_headlines("knockout"),
                         # The paper's prose (Sec. 3 (4)) says ablating the notes returns the decision to stale; its released records
                         # mask the decision's attention to the stale notes in the field-only state, which moves the
                         # decision to the new value (P(correct) 0.00 -> 0.25 -> 1.00 at 0 / 10 / 25% masked, n = 12,

@@ -23,6 +23,7 @@ from kvprobe.probes import case_row, probe_case
 from kvprobe.claims import RULE_BEFORE_FIELD, Claim, near
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.probes.summary import format_recovery_table, gate_summary, headline_stats, recovery_summary
+from kvprobe.paper import headlines as paper_headlines
 
 STATES = ("stale", "field_only", "full_downstream", "oracle")
 
@@ -50,11 +51,7 @@ EXPERIMENT = Experiment(name="locality", doc=__doc__, params=Params, run_instanc
                         table=lambda s: format_recovery_table(s, STATES),
                         headline=lambda s: headline_stats(s, "recovery", {"field_only": "field-only",
                                                                         "full_downstream": "full-downstream (identity)"}),
-                        paper={"gated": "field-only -0.028, full-downstream 1.0 (Llama-3.1-8B, Sec. 3 (1)); near "
-                                        "zero across models; under 1% of the decision (abstract)",
-                               "twohop": "field-only -0.012 to +0.006, full-downstream 1.00",
-                               "conversational": "field-only -0.012 to +0.054, full-downstream 1.00",
-                               "attribute": "field-only 0.25-0.63 (the field is partly a copy)"},
+                        paper=paper_headlines("locality"),
                         claims=(
                             # The paper's prompts put the rule after the field (App. B); generated instances with
                             # the rule before it have no paper counterpart (RESULTS finding 1) and are left out.

@@ -41,6 +41,7 @@ from kvprobe.probes.summary import ci_cell, gate_summary, recovery_summary
 from kvprobe.stats.bootstrap import quantiles
 from kvprobe.tasks.generator import FORMATS, RULE_MOVABLE, GeneratorFormats, GeneratorSplit, InfeasibleDistance, \
     RulePosition, build_generated, load_words, rule_position, template_families, tokenize_generated
+from kvprobe.paper import headlines as paper_headlines
 
 STATES = ("field_only", "full_downstream")
 
@@ -171,6 +172,4 @@ def headline(summary: dict[str, Any]) -> str:
 
 EXPERIMENT = Experiment(name="locality_distance", doc=__doc__, params=Params, run_instance=run_instance,
                         summarize=summarize, make_instances=make_instances, table=table, headline=headline,
-                        paper={"scenario_words": "one point: field-only -0.028, one template, the field "
-                                                 "~725 tokens before the decision in the released prompts "
-                                                 "(Llama-3.1-8B, Sec. 3 (1), Fig. 3a)"})
+                        paper=paper_headlines("locality_distance"))

@@ -49,6 +49,7 @@ from kvprobe.stats.bootstrap import cluster_means, summarize
 from kvprobe.stats.inference import summarize_proportion, tost_paired
 from kvprobe.tasks.gated import render
 from kvprobe.tasks.locomo import ANSWERABLE, CATEGORIES, Conversation, load_locomo, locomo_f1
+from kvprobe.paper import headlines as paper_headlines
 
 ARMS = ("full", "spliced")
 _MARK = "<<MEMORY>>"  # where the sessions go inside the (chat-wrapped) prompt
@@ -276,9 +277,7 @@ PAPER_N = "1,540 answerable questions per model (four models)"
 EXPERIMENT = Experiment(
     name="locomo", doc=__doc__, params=Params, make_instances=make_instances, run_instance=run_instance,
     summarize=summarize_rows, table=table, headline=headline,
-    paper={"gated": "LoCoMo, whole dialogue (~19.7k tokens) precompiled and spliced: QA accuracy equivalent to "
-                    "full recompute (TOST 0.03, |d| <= 0.015) on Qwen3-4B/14B/32B, -2.7 points on Llama-3.1-8B; "
-                    "answer-token logit cosine 0.991-0.998 (Fig. 11)"},
+    paper=paper_headlines("locomo"),
     claims=(
         near("locomo_f1_equivalent", "spliced sessions answer LoCoMo as accurately as full recompute (paired token-F1 "
              "difference within +-0.03; weak where F1 is low)", "spliced.f1", 0.0, margin=ACCURACY_MARGIN, b="full.f1", gated=False,

@@ -34,6 +34,7 @@ from kvprobe.probes.summary import ci_cell, summarize_column
 from kvprobe.claims import ACCURACY_MARGIN, Claim, near
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.tasks.edits import decision_char, erratum_body, erratum_line, prompt_ids, prompt_text, split_prompt_at
+from kvprobe.paper import headlines as paper_headlines
 
 
 class Params(BaseModel):
@@ -180,10 +181,7 @@ def headline(s: dict[str, Any]) -> str:
 
 EXPERIMENT = Experiment(name="long_horizon", doc=__doc__, needs_template=True, params=Params, run_instance=run_instance,
                         summarize=summarize_rows, table=table, headline=headline,
-                        paper={"gated": "28 turns appended to a persistent cache vs a full prefill of the same "
-                                        "text (no stale KV: kvprobe's erratum scheme): cosine 0.987-0.999, flat (Llama "
-                                        "0.992 -> 0.996); agreement 0.79-0.99; slope within +-0.01/turn (App. G, Fig. "
-                                        "23); no counterpart for field_erratum"},
+                        paper=paper_headlines("long_horizon"),
                         # Per instance, averaged over its turns (the ``*`` step), so turns of one conversation are not counted as
                         # independent. The paper's App. G design only appends turns and errata to a persistent cache
                         # and compares it with a full prefill of the same text: no KV is ever stale, so its numbers

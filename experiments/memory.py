@@ -51,6 +51,7 @@ from kvprobe.stats.bootstrap import summarize
 from kvprobe.stats.inference import gee_binomial, mcnemar_exact, summarize_proportion
 from kvprobe.tasks.gated import render
 from kvprobe.tasks.memory import ANSWER_PREFIX, PLACEMENTS, VALUES, action_ids, persona_instance, render_ids
+from kvprobe.paper import headlines as paper_headlines
 
 EDITS = ("stale", "in_place", "erratum", "field_erratum")
 MODES = ("direct", "chain")
@@ -420,9 +421,7 @@ def headline(s: dict[str, Any]) -> str:
 EXPERIMENT = Experiment(
     name="memory", doc=__doc__, params=Params, make_instances=make_instances, run_instance=run_instance,
     summarize=summarize_rows, table=table, headline=headline,
-    paper={"gated": "E2: cos 0.94-0.9996, 1 seam token closes the gap, no-rotation collapses (0.18 vs 0.78); "
-                    "E3: stale <= 0.03, erratum > in_place (McNemar p=0.031, Llama-3.1-8B); E4: agreement 1.00 "
-                    "to S=16, cosine 0.998 -> 0.953 (Qwen3-4B)"},
+    paper=paper_headlines("memory"),
     claims=(
         Claim("memory_transplant_agreement", "late memory transplant (1 seam token) decides as full recompute", "at_least", "seam1_agree", bound=1 - ACCURACY_MARGIN,
               gated=False, role="effect", competence=("full_correct",)),

@@ -26,6 +26,7 @@ from kvprobe.probes.common import (case_row, fit_rows, layer_probe, named_slots,
                                          polarity_instances, probe_case, probe_features, slot_tokens)
 from kvprobe.probes.summary import gate_summary
 from kvprobe.tasks.polarity import prompt_labels
+from kvprobe.paper import headlines as paper_headlines
 
 Position = Literal["last_context", "top_effect", "decision"]
 LABELS = ("conclusion", "field", "trigger")
@@ -91,8 +92,7 @@ def headline(s: dict[str, Any]) -> str:
 
 EXPERIMENT = Experiment(name="probes", doc=__doc__, params=Params, run_instance=run_instance,
                         summarize=summarize_rows, make_instances=polarity_instances, table=table, headline=headline,
-                        paper={"polarity": "conclusion and field both linearly decodable from the downstream "
-                                           "aggregator (Sec. 3 (3), App. C (i))"},
+                        paper=paper_headlines("probes"),
                         # No row claim: held-out probe accuracy is one group-CV fit over all rows (a summary
                         # quantity); a row holds only labels and probe slots.
                         claims=())

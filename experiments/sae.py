@@ -35,6 +35,7 @@ from kvprobe.features.directions import (NoteSite, case_with_resid, decision_ld,
 from kvprobe.runner.config import hash_neutral
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.probes.summary import ci_cell, gate_summary, summarize_column
+from kvprobe.paper import headlines as paper_headlines
 
 HELD_OUT_DEFAULT = ["accounts", "inventory", "payments", "promotions"]
 
@@ -358,11 +359,7 @@ def headline(s: dict[str, Any]) -> str:
 
 EXPERIMENT = Experiment(name="sae", doc=__doc__, params=Params, run_instance=run_instance, summarize=summarize_rows,
                         make_instances=_make_instances, setup=setup, table=table, headline=headline,
-                        paper={"gated": "TopK SAE (16k, k=32, FVU ~0.001) at L14: two features AUC 1.00, ~5 above 0.95; "
-                                        "clamping the top 1/3/10/30 recovers ~0/0.30/0.50/0.54, random ~0 (App. D (3), "
-                                        "polarity task, Llama-3.1-8B)",
-                               "polarity": "two features AUC 1.00; clamping top 1/3/10/30 recovers ~0/0.30/0.50/0.54, "
-                                           "random ~0 (App. D (3))"},
+                        paper=paper_headlines("sae"),
                         claims=tuple(c for stem in ("gated", "polarity") for c in (
                             # random live features are clamped to the other conclusion's mean: near their current
                             # value for unrelated features, and not norm-matched, so this control can hardly fail

@@ -33,6 +33,7 @@ from kvprobe.probes.scrub import hypotheses, hypothesis_size, resampled_donors
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.probes.common import case_row, curve_summary, curves_table
 from kvprobe.probes.summary import gate_summary, headline_stats
+from kvprobe.paper import headlines as paper_headlines
 
 IDENTITIES = ("full", "empty")
 
@@ -108,9 +109,7 @@ def headline(s: dict[str, Any]) -> str:
 
 EXPERIMENT = Experiment(name="scrubbing", doc=__doc__, params=Params, run_instance=run_instance,
                         summarize=summarize_rows, table=table, headline=headline,
-                        paper={"gated": "App. D (4), polarity task: drift 0.04/0.04/0.02/0.03, note 0.79/0.68/0.82/"
-                                        "0.71, rest 0.19/0.32/0.18/0.30 (Llama-3.1-8B/Qwen3-8B/Gemma-2-9B/"
-                                        "Mistral-7B, Tab. 5)"},
+                        paper=paper_headlines("scrubbing"),
                         claims=(near("drift_zero", "same-conclusion resampling is faithful: drift ~ 0",
                                      "paper_metrics.drift", 0.0, in_paper_range=True, role="control"),
                                 # paper_value: the mean note - rest difference over the four families

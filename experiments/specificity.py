@@ -27,6 +27,7 @@ from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.probes.common import RankingParams, case_row, probe_case, rank_positions
 from kvprobe.probes.controls import crossfit_cell, crossfit_positions, crossfit_summary, keep_ranking
 from kvprobe.probes.summary import format_recovery_table, gate_summary, headline_stats, recovery_summary
+from kvprobe.paper import headlines as paper_headlines
 
 
 class Params(RankingParams):
@@ -99,8 +100,7 @@ def table(s: dict[str, Any]) -> str:
 
 EXPERIMENT = Experiment(name="specificity", doc=__doc__, params=Params, run_instance=run_instance,
                         summarize=summarize_rows, table=table, headline=headline,
-                        paper={"gated": "top-8 0.74-0.79 vs rand-8 <= 0.035; top-16 0.86-0.92 vs rand-16 0.04-0.06 "
-                                        "(Tab. 4)"},
+                        paper=paper_headlines("specificity"),
                         # The paper's specificity control; top-k is ranked on the instances it is scored on, so beating random-k is
                         # largely by selection: controls, not effects.
                         claims=(Claim("top8_vs_rand8", "top-8 beats random-8 positions (paired)", "describe",

@@ -35,6 +35,7 @@ from kvprobe.patching.ranking import sweep_recovery
 from kvprobe.patching.sweep import KVPatch
 from kvprobe.probes.controls import crossfit_cell, crossfit_positions, crossfit_summary, keep_ranking
 from kvprobe.probes.summary import ci_cell, gate_summary, headline_stats, recovery_summary, summarize_column, which
+from kvprobe.paper import headlines as paper_headlines
 
 
 class Params(RankingParams):
@@ -128,8 +129,7 @@ def headline(s: dict[str, Any]) -> str:
 
 EXPERIMENT = Experiment(name="suffix", doc=__doc__, params=Params, run_instance=run_instance,
                         summarize=summarize_rows, table=table, headline=headline,
-                        paper={"gated": "recovery accrues slowly over the tokens after the field; top-8 recover "
-                                        "0.27-0.82 across seven models (Sec. 3 (2), Fig. 3b's released curve)"},
+                        paper=paper_headlines("suffix"),
                         # Fig. 3b's own top-8 (released locality_topk at k = 8): Llama 0.27, Qwen3-8B 0.82, 4B 0.58, 14B 0.43, 32B
                         # 0.30, Gemma-2 0.52, Mistral 0.37. (The specificity table's 0.74-0.79 is another experiment;
                         # the paper's two Llama records of top-8 disagree, 0.27 vs 0.79.)

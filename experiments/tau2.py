@@ -51,6 +51,7 @@ from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.stats.inference import summarize_proportion
 from kvprobe.tasks.edits import prompt_ids
 from kvprobe.tasks.gated import GatedInstance, segment_prompt, tokenize_pair
+from kvprobe.paper import headlines as paper_headlines
 
 PREAMBLE = "You are a customer-support agent for an online retailer."
 RECORD_HEADER = "ORDER RECORD (returned by get_order_details)"
@@ -220,9 +221,7 @@ def headline(s: dict[str, Any]) -> str:
 EXPERIMENT = Experiment(
     name="tau2", doc=__doc__, params=Params, run_instance=run_instance, summarize=summarize_rows,
     make_instances=make_instances, setup=setup, table=table, headline=headline,
-    paper={"gated": "Sec. 9 (Llama-3.1 / Mistral): stale cache fails the task after the state change; "
-                    "field+erratum keeps task success; the transplanted ~1.4k-token policy reproduces the clean "
-                    "decision (composed = full)"},
+    paper=paper_headlines("tau2"),
     claims=(
       
         Claim("tau2_field_erratum_beats_stale", "field+erratum beats the stale cache after the state change", "greater", "arm_b.field_erratum.reward",

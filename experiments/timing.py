@@ -33,6 +33,7 @@ from kvprobe.probes.controls import paired_contrast
 from kvprobe.probes.summary import ci_cell, gate_summary, recovery_summary, which
 from kvprobe.stats.probe import first_layer_at, group_cv_margins, settle_layer
 from kvprobe.tasks.polarity import prompt_labels
+from kvprobe.paper import headlines as paper_headlines
 
 
 class Params(BaseModel):
@@ -149,8 +150,7 @@ def headline(s: dict[str, Any]) -> str:
 
 EXPERIMENT = Experiment(name="timing", doc=__doc__, params=Params, run_instance=run_instance,
                         summarize=summarize_rows, make_instances=polarity_instances, table=table, headline=headline,
-                        paper={"polarity": "write depth 0.31-0.39 vs commit depth 0.73-0.77 (Qwen3, Llama); "
-                                           "0.19-0.26 vs 0.47-0.48 (Gemma-2, Mistral)"},
+                        paper=paper_headlines("timing"),
                         # The paper's claim is the ordering: the note is written before the decision commits. The write depth is one
                         # group-CV probe fit over all instances (the summary's ``write_depth``), so the test is each
                         # instance's commit depth against it (one-sided, on cluster means).

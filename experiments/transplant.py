@@ -35,6 +35,7 @@ from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.probes.controls import paired_contrast
 from kvprobe.probes.summary import ci_cell, summarize_column
 from kvprobe.tasks.gated import segment_prompt
+from kvprobe.paper import headlines as paper_headlines
 
 
 class Params(BaseModel):
@@ -206,9 +207,7 @@ def headline(s: dict[str, Any]) -> str:
 
 EXPERIMENT = Experiment(name="transplant", doc=__doc__, needs_template=True, params=Params, run_instance=run_instance,
                         summarize=summarize_rows, setup=setup, table=table, headline=headline,
-                        paper={"gated": "logit cosine 0.90-0.999 across twelve models (Fig. 6b); decisions "
-                                        "preserved on competent models, 24/24, 16/16 under CoT (Sec. 5); no-rotation "
-                                        "collapses, 0.18 vs 0.78 (Sec. 7 E2)"},
+                        paper=paper_headlines("transplant"),
                         claims=(Claim("skill_agreement", "transplanted skill decides as full recompute (instances the model "
                                       "decides correctly under full recompute)", "at_least",
                                       "seam0_agree", bound=KVPROBE_RATE_BOUND, gated=False,

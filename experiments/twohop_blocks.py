@@ -36,6 +36,7 @@ from kvprobe.probes.summary import ci_cell
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.stats.inference import mcnemar_exact, summarize_proportion
 from kvprobe.tasks.memory import action_ids, render_ids, twohop_instance
+from kvprobe.paper import headlines as paper_headlines
 
 CONDITIONS = ("twohop", "independent")
 LAYOUTS = ("split", "together", "one_block")
@@ -143,8 +144,7 @@ def headline(s: dict[str, Any]) -> str:
 EXPERIMENT = Experiment(
     name="twohop_blocks", doc=__doc__, params=Params, make_instances=make_instances, run_instance=run_instance,
     summarize=summarize_rows, table=table, headline=headline,
-    paper={"gated": "split 0.46 vs together 0.76 agreement (penalty 0.30, 25 vs 1 discordant, McNemar p=8e-7; "
-                    "Llama-3.1-8B, n=80, full-recompute acc 0.85); independent pair penalty 0.04 (App. G)"},
+    paper=paper_headlines("twohop_blocks"),
     claims=(
         Claim("twohop_split_penalty", "splitting a two-hop pair across blocks lowers agreement with full recompute", "greater", "informative.together_agree",
               "informative.split_agree", gated=False, role="effect",

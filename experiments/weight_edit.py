@@ -53,6 +53,7 @@ from kvprobe.stats.bootstrap import summarize
 from kvprobe.stats.inference import summarize_proportion
 from kvprobe.tasks.edits import erratum_body, erratum_line, prompt_ids
 from kvprobe.tasks.gated import build_instance, load_template, tokenize_pair
+from kvprobe.paper import headlines as paper_headlines
 
 KV_METHODS = ("in_place", "erratum", "field_erratum")
 WEIGHT_METHODS = ("rome", "lora")
@@ -264,9 +265,7 @@ def headline(s: dict[str, Any]) -> str:
 EXPERIMENT = Experiment(
     name="weight_edit", doc=__doc__, params=Params, run_instance=run_instance, summarize=summarize_rows,
     make_instances=make_instances, setup=setup, table=table, headline=headline,
-    paper={"gated": "Llama-3.1-8B (Tab. 1): field+erratum flips, 114 ms, contamination 0, collateral 0; in_place "
-                    "no flip (no CoT), 71 ms; ROME flips, 5.6 s + 11.6 s cov, contamination 1.0, collateral 0.5; "
-                    "LoRA flips, 3.1 s, contamination 1.0, collateral 0.5"},
+    paper=paper_headlines("weight_edit"),
     claims=(
       
         Claim("weight_edit_field_erratum_flips", "field+erratum flips the target decision",

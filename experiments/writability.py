@@ -27,6 +27,7 @@ from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.probes.common import (case_row, curve_summary, curves_table, ld_from_recovery, probe_case,
                                          same_decision)
 from kvprobe.probes.summary import gate_summary, headline_stats
+from kvprobe.paper import headlines as paper_headlines
 
 
 class Params(BaseModel):
@@ -65,7 +66,7 @@ EXPERIMENT = Experiment(name="writability", doc=__doc__, params=Params, run_inst
                         summarize=summarize_rows, table=table,
                         headline=lambda s: headline_stats(s, "inject", {"8": "top-8", "all": "all notes"})
                         + "; follow rate: " + headline_stats(s, "follows", {"all": "all notes"}),
-                        paper={"gated": "injection 0.98-1.02, follow rate 1.0 (App. C (iv))"},
+                        paper=paper_headlines("writability"),
                         claims=(near("inject_all_one", "injecting every note recovers toward the note ~ 1", "inject.all", 1.0,
                                      in_paper_range=True, role="control"),
                                 Claim("follow_rate_all", "the decision follows the injected note (all notes)",

@@ -35,6 +35,7 @@ from kvprobe.probes import BlockOut, cell_throughput, probe_case, sweep
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.probes.common import case_row, curve_summary, curves_table
 from kvprobe.probes.summary import gate_summary, which
+from kvprobe.paper import headlines as paper_headlines
 
 BLOCKS = ("attn_out", "mlp_out")
 
@@ -118,9 +119,7 @@ def headline(s: dict[str, Any]) -> str:
 
 EXPERIMENT = Experiment(name="write_share", doc=__doc__, params=Params, run_instance=run_instance,
                         summarize=summarize_rows, table=table, headline=headline,
-                        paper={"gated": "App. D (5), polarity task: attention writes 0.60-0.62 of the note at the "
-                                        "causal layer (Llama-3.1-8B L12/L14); 0.44-0.56 Qwen3-8B, 0.82-0.92 "
-                                        "Gemma-2-9B, 0.42-0.66 Mistral-7B (Tab. 5)"},
+                        paper=paper_headlines("write_share"),
                         # The paper's decomposition share at the causal layer the summary chose (``{causal_layer}``), per instance.
                         claims=(Claim("attn_share_primary", "attention writes most of the note: its share of the "
                                       "write at the causal layer exceeds 0.4", "greater",

@@ -118,3 +118,13 @@ def paper_value(key: str) -> PaperValue:
         raise KVProbeError(f"no paper value '{key}' in kvprobe/paper/{VALUES_FILE}{closest(key, values)}: add an "
                            f"entry with its statement, value, location and source")
     return values[key]
+
+
+HEADLINE_PREFIX = "headline."
+
+
+def headlines(experiment: str) -> dict[str, str]:
+    """The paper's values beside an experiment's headline in the results tables, per task template stem
+    (``headline.<experiment>@<task>`` entries), as an ``Experiment(paper=...)`` takes them."""
+    prefix = f"{HEADLINE_PREFIX}{experiment}@"
+    return {key[len(prefix):]: entry.statement for key, entry in registry().items() if key.startswith(prefix)}
