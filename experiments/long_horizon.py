@@ -186,17 +186,19 @@ EXPERIMENT = Experiment(name="long_horizon", doc=__doc__, needs_template=True, p
                         # independent. The paper's App. G design only appends turns and errata to a persistent cache
                         # and compares it with a full prefill of the same text: no KV is ever stale, so its numbers
                         # are a numerical and tokenization floor. That is kvprobe's ``erratum`` scheme; for
-                        # ``field_erratum`` (stale notes) the paper has no counterpart.
+                        # ``field_erratum`` (stale notes) the paper has no counterpart. On the erratum scheme the
+                        # claims are numerical controls (the two arms compute the same function of the same tokens),
+                        # never effects: they cannot fail on fp32 CPU arithmetic.
                         claims=(near("cosine_high", "the appended cache's next-token logits stay close to the "
                                      "reference over turns (a numerical floor)",
                                      "turns.*.cosine", 0.993, margin=0.01, in_paper_range=True,
-                                     role="control", params=(("scheme", "erratum"),), competence=("turns.*.reference_correct",)),
+                                     role="control", params=(("scheme", "erratum"),)),
                                 near("agreement_in_range", "the appended cache decides as the reference over turns", "turns.*.agree", 0.89,
-                                     margin=ACCURACY_MARGIN, in_paper_range=True, role="effect",
-                                     params=(("scheme", "erratum"),), competence=("turns.*.reference_correct",)),
+                                     margin=ACCURACY_MARGIN, in_paper_range=True, role="control",
+                                     params=(("scheme", "erratum"),)),
                                 near("no_compounding_drift", "agreement does not drift over turns (slope per turn "
                                      "~ 0)", "turns.@slope.agree", 0.0, margin=0.0, in_paper_range=True,
-                                     role="effect", params=(("scheme", "erratum"),), competence=("turns.*.reference_correct",)),
+                                     role="control", params=(("scheme", "erratum"),)),
                                 Claim("agreement_field_erratum", "with the field refreshed in place + an erratum "
                                       "(stale notes), the cache decides as the reference over turns (described)",
-                                      "describe", "turns.*.agree", role="effect", params=(("scheme", "field_erratum"),), competence=("turns.*.reference_correct",))))
+                                      "describe", "turns.*.agree", role="effect", params=(("scheme", "field_erratum"),))))
