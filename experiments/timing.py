@@ -155,4 +155,6 @@ EXPERIMENT = Experiment(name="timing", doc=__doc__, params=Params, run_instance=
                         # group-CV probe fit over all instances (the summary's ``write_depth``), so the test is each
                         # instance's commit depth against it (one-sided, on cluster means).
                         claims=(Claim("write_before_commit", "the note is written before the decision commits: "
-                                      "commit depth minus write depth > 0", "greater", "commit_depth", "summary.write_depth", template="polarity", role="effect"),))
+                                      "commit depth minus write depth > 0, per instance (paired)", "greater",
+                                      "write_vs_commit.commit_depth", "write_vs_commit.write_depth", template="polarity",
+                                      role="effect"),))
