@@ -78,7 +78,7 @@ claims: $(STAMP)
 	$(PY) -m kvprobe claims
 
 report: $(STAMP)
-	$(PY) -m kvprobe report --write README.md RESULTS.md docs/history/organisms.md
+	$(PY) -m kvprobe report --write README.md RESULTS.md docs/engineering.md docs/locality_sizes.md docs/history/organisms.md
 
 models: $(STAMP)
 	$(PY) -m kvprobe models

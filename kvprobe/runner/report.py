@@ -286,6 +286,15 @@ def claims_headline(results_dir: str | Path = "results") -> str:
     return "\n".join(lines) if lines else "(no paper effect tested on the published records)"
 
 
+def bench_output(results_dir: str | Path, name: str) -> str:
+    """A committed benchmark output (``results/bench/<name>``), verbatim in a code block: the numbers a
+    benchmark prints, shown as the run wrote them (``<!-- kvprobe:bench_output edit_smollm2-135m.txt -->``)."""
+    file = Path(results_dir) / "bench" / name
+    if "/" in name or not file.is_file():
+        raise KVProbeError(f"the block 'kvprobe:bench_output {name}': no committed output {file}")
+    return "```\n" + file.read_text().rstrip() + "\n```"
+
+
 GENERATORS: dict[str, Callable[..., str]] = {
     "claims_headline": claims_headline,
     "report": lambda d: markdown_table(report_rows(d)),
@@ -296,8 +305,9 @@ GENERATORS: dict[str, Callable[..., str]] = {
     "claims": _claims_block,
     "compare": _compare_block,
     "locality_sizes": sizes_table,
+    "bench_output": bench_output,
 }
-TAKES_ARGUMENTS = {"compare", "section"}
+TAKES_ARGUMENTS = {"compare", "section", "bench_output"}
 BLOCK_PLUGINS = "kvprobe.report_blocks"  # entry-point group: packages add generated blocks (the organism tables)
 
 
@@ -319,11 +329,17 @@ def _load_block_plugins() -> None:
 # A measured number in the prose is written as a reference the report fills from a record or the paper registry:
 #   <!-- kvprobe:v locality/smollm2-135m-gated-v3n2-seed2/561ca5f6e26d#summary.recovery.field_only.gated|ci -->0.01
 #   [0.00, 0.02]<!-- /kvprobe:v -->
-# SOURCE is a published record (experiment/model/hash under results/) and a dotted path into it, or
-# ``paper:<registry id>``; FORMAT is ``ci`` / ``ci3`` (mean [95% CI], no interval below 5 clusters), ``int``,
-# ``pct``, ``abs``-prefixed, or a Python format spec (``.2f``, the default; ``+.2f``). ``make report`` rewrites the
-# text between the markers, so a test fails when prose and record differ.
+# SOURCE is a published record (experiment/model/hash under results/, or its 12-character hash alone) and a dotted
+# path into it; ``bench/<name>`` or ``gate/<name>`` with a path (a committed benchmark or RoPE-gate output,
+# results/bench/<name>.json, results/gate/<name>.json); or ``paper:<registry id>``. FORMAT is ``ci`` / ``ci3`` /
+# ``+ci`` (mean [95% CI], no interval below 5 clusters), ``kn`` ("k / n" of a summary with k and n, or with
+# n_included and n_instances), ``int``, ``pct``, ``abs``-prefixed, ``e`` (one significant digit, scientific:
+# 2e-07), or a Python format spec (``.2f``, the default; ``+.2f``). ``make report`` rewrites the text between the
+# markers, so a test fails when prose and record differ.
 _VALUE = re.compile(r"<!-- kvprobe:v (?P<spec>[^>]+?) -->(?P<body>.*?)<!-- /kvprobe:v -->", re.S)
+
+
+OUTPUT_FOLDERS = ("bench", "gate")  # results/<folder>/<name>.json: committed outputs of make bench-* / make gate
 
 
 def _lookup(obj: Any, path: str, spec: str) -> Any:
@@ -350,6 +366,12 @@ def format_value(value: Any, fmt: str, spec: str) -> str:
             return f"{value['mean']:{'+' if fmt == '+ci' else ''}.{digits}f} ({value.get('n_clusters', value.get('n'))} " \
                    f"clusters: no interval)"
         return ci_cell(value, digits, signed=fmt == "+ci")
+    if fmt == "kn":
+        if isinstance(value, dict) and "k" in value and "n" in value:
+            return f"{value['k']} / {value['n']}"
+        if isinstance(value, dict) and "n_included" in value and "n_instances" in value:
+            return f"{value['n_included']} / {value['n_instances']}"
+        raise KVProbeError(f"prose reference '{spec}': format kn needs k and n (or n_included and n_instances)")
     if isinstance(value, dict) and "mean" in value:
         value = value["mean"]
     if value is None:
@@ -358,6 +380,8 @@ def format_value(value: Any, fmt: str, spec: str) -> str:
         return str(int(round(float(value))))
     if fmt == "pct":
         return f"{100 * float(value):.0f}%"
+    if fmt == "e":
+        return f"{float(value):.0e}".replace("e-0", "e-").replace("e+0", "e+")
     if fmt.startswith("abs"):
         return format(abs(float(value)), fmt[3:] or ".2f")
     return format(float(value), fmt)
@@ -366,21 +390,35 @@ def format_value(value: Any, fmt: str, spec: str) -> str:
 def resolve_value(spec: str, results_dir: str | Path) -> str:
     """The text of one prose reference (see :data:`_VALUE`)."""
     source, _, fmt = spec.partition("|")
-    fmt = fmt or ".2f"
-    if source.startswith("paper:"):
+    if source.startswith("paper:"):  # no format: the value as the paper gives it ('-0.028', '0.27-0.82')
         from kvprobe.paper import paper_value
 
         entry = paper_value(source[len("paper:"):])
-        return entry.shown() if fmt in (".2f", "shown") else format_value(entry.single, fmt, spec)
+        return entry.shown() if fmt in ("", "shown") else format_value(entry.single, fmt, spec)
+    fmt = fmt or ".2f"
     record_name, _, path = source.partition("#")
-    file = Path(results_dir) / f"{record_name}.json"
+    import json
+
+    if record_name.split("/")[0] in OUTPUT_FOLDERS and record_name.count("/") == 1:
+        file = Path(results_dir) / f"{record_name}.json"  # a committed benchmark or gate output, not a study record
+        if not file.exists():
+            raise KVProbeError(f"prose reference '{spec}': no committed output {file}")
+        return format_value(_lookup(json.loads(file.read_text()), path, spec), fmt, spec)
+    records = published(results_dir)
+    if "/" not in record_name:  # a published record's hash alone
+        hits = [Path(r["_path"]) for r in records if Path(r["_path"]).stem == record_name]
+        if len(hits) != 1:
+            raise KVProbeError(f"prose reference '{spec}': {len(hits)} published records have the hash "
+                               f"'{record_name}' (need exactly one)")
+        file = hits[0]
+    else:
+        file = Path(results_dir) / f"{record_name}.json"
     if not file.exists():
         raise KVProbeError(f"prose reference '{spec}': no record {file}")
-    published_paths = {Path(r["_path"]).resolve() for r in published(results_dir)}
+    published_paths = {Path(r["_path"]).resolve() for r in records}
     if published_paths and file.resolve() not in published_paths:
         raise KVProbeError(f"prose reference '{spec}': {file} is not a record the study publishes (study.yaml); "
                            f"cite the published run, or publish this one")
-    import json
 
     return format_value(_lookup(json.loads(file.read_text()), path, spec), fmt, spec)
 
