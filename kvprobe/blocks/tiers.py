@@ -398,7 +398,7 @@ class DiskTier:
             self.repairs.append(f"control.bin was {self.table.padded_from} B, not whole records: padded with "
                                 "empty slots")
         for tmp in sorted(self.root.glob(f"{_TEMP_PREFIX}*{_TEMP_SUFFIX}")):
-            tmp.unlink()
+            os.unlink(tmp)
             self.repairs.append(f"removed stale temp file {tmp.name} (a write that never finished)")
         dropping = {p.name[:-len(_DROP_SUFFIX)] for p in self.root.glob(f"*.safetensors{_DROP_SUFFIX}")}
         records: dict[int, tuple[int, Identity, Mechanism, Policy]] = {}
@@ -423,7 +423,7 @@ class DiskTier:
             self.repairs.append(f"cleared the record in slot {slot}: {problem} (its payload file, if intact, is "
                                 "adopted below)")
         for name in sorted(dropping):
-            (self.root / (name + _DROP_SUFFIX)).unlink()
+            os.unlink(self.root / (name + _DROP_SUFFIX))
             self.repairs.append(f"finished dropping {name}")
         files = {int(p.name[:16], 16): p for p in self.root.iterdir() if _PAYLOAD_NAME.match(p.name)}
         for bid in sorted(set(records) - set(files)):
@@ -552,7 +552,7 @@ class DiskTier:
         os.replace(path, pending)
         self.table.remove(bid)
         self.table.sync()
-        pending.unlink()
+        os.unlink(pending)
         fsync_dir(self.root)
         self.digests.pop(bid, None)
 
