@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from kvprobe.blocks import tiers
-from kvprobe.blocks.record import Identity, Policy
+from kvprobe.blocks.record import RECORD_SIZE, Identity, Policy
 from kvprobe.blocks.store import BlockStore, state_payload
 from kvprobe.blocks.tiers import CorruptBlockError, digest
 from kvprobe.errors import KVProbeError
@@ -477,9 +477,9 @@ def corruption_trials(root: str | Path, trials: int = 200, seed: int = 0, blocks
         path = work / name
         data = bytearray(path.read_bytes())
         action = rng.choice(["flip", "flip", "flip", "truncate", "append"])
-        if action == "flip":
-            at = rng.randrange(len(data))
-            data[at] ^= rng.randrange(1, 256)
+        if action == "flip":  # in control.bin, mostly inside the used records (the rest is empty slots)
+            used = len(seeds) * RECORD_SIZE if name == "control.bin" and rng.random() < 0.8 else len(data)
+            data[rng.randrange(used)] ^= rng.randrange(1, 256)
         elif action == "truncate":
             data = data[:rng.randrange(len(data))]
         else:
@@ -512,11 +512,11 @@ def corruption_trials(root: str | Path, trials: int = 200, seed: int = 0, blocks
                     continue
                 if served != block_digest(s):
                     report.fail("torn_accepted", f"{where} served with damaged bytes")
-                priority = store.policy(bid).priority
-                if priority != 100 + i:
-                    if priority == 10 + i and store.repairs:
+                policy = store.policy(bid)
+                if policy != Policy(priority=100 + i):
+                    if policy == Policy(priority=10 + i) and store.repairs:
                         report.note("policy back to its demotion-time value (record rebuilt, reported)")
                     else:
-                        report.fail("torn_accepted", f"{where} has priority {priority}, stored {100 + i}")
+                        report.fail("torn_accepted", f"{where} has policy {policy}, stored priority {100 + i}")
         shutil.rmtree(work)
     return report

@@ -293,10 +293,10 @@ class BlockStore:
             try:
                 payload = _copy(self.disk.read(bid))  # own the bytes, then check them (the file may change later)
             except (OSError, SafetensorError, ValueError, RuntimeError) as e:
-                self._quarantine(bid, f"payload file unreadable ({type(e).__name__}: {e})")
+                raise self._quarantine(bid, f"payload file unreadable ({type(e).__name__}: {e})")
             actual = digest(payload)
             if actual != self._digests[bid]:
-                self._quarantine(bid, f"payload digest {actual} != recorded {self._digests[bid]} (bytes changed on "
+                raise self._quarantine(bid, f"payload digest {actual} != recorded {self._digests[bid]} (bytes changed on "
                                       "disk)")
             ident, policy = self.disk.table.identity(bid), self.disk.table.policy(bid)
             self.ram.write(ident, policy, self._fresh_mechanism(self.ram, Tier.RAM, payload), payload, owned=True)
@@ -354,12 +354,12 @@ class BlockStore:
             self.disk.close()
 
     # -- helpers ----------------------------------------------------------------------------------
-    def _quarantine(self, bid: int, reason: str) -> None:
-        """Move a damaged disk payload aside and raise (a caller never sees its bytes)."""
+    def _quarantine(self, bid: int, reason: str) -> CorruptBlockError:
+        """Move a damaged disk payload aside; returns the error to raise (a caller never sees its bytes)."""
         q = self.disk.quarantine(bid, reason)
         if bid not in self:
             self._forget(bid)
-        raise CorruptBlockError(f"block {bid:016x}: {reason}; the payload was moved to {q.moved_to} and the block "
+        return CorruptBlockError(f"block {bid:016x}: {reason}; the payload was moved to {q.moved_to} and the block "
                                 "left the store: recompute it and put it again")
 
     def _forget(self, bid: int) -> None:

@@ -43,7 +43,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as safetensors_bytes
 
 from kvprobe.blocks.record import (FORMATS, IDENTITY, MECHANISM_OFFSET, POLICY, POLICY_OFFSET, RECORD_SIZE, Flags,
@@ -140,20 +140,19 @@ class ControlTable:
                     return
             # the slot changed owner between the lookup and the lock: look again
 
-    def add(self, ident: Identity, policy: Policy, mech: Mechanism, slot: int | None = None) -> int:
-        """Write a new record (one 64-byte store); returns its slot. ``slot`` places it (reopening only)."""
+    def add(self, ident: Identity, policy: Policy, mech: Mechanism) -> int:
+        """Write a new record (one 64-byte store); returns its slot."""
         bid = ident.block_id
         record = pack_record(ident, policy, mech)
         with self._alloc:
             if bid in self.slots:
                 raise KVProbeError(f"block {bid:016x} already has a record in this tier")
-            if slot is None:
-                if self._free:
-                    slot = self._free.pop()
-                else:
-                    if self._next >= self.capacity:
-                        self._grow()
-                    slot, self._next = self._next, self._next + 1
+            if self._free:
+                slot = self._free.pop()
+            else:
+                if self._next >= self.capacity:
+                    self._grow()
+                slot, self._next = self._next, self._next + 1
             try:
                 with self._locks[slot % _STRIPES]:
                     self._store(slot * RECORD_SIZE, record)
@@ -402,7 +401,7 @@ class DiskTier:
             self.repairs.append(f"removed stale temp file {tmp.name} (a write that never finished)")
         dropping = {p.name[:-len(_DROP_SUFFIX)] for p in self.root.glob(f"*.safetensors{_DROP_SUFFIX}")}
         records: dict[int, tuple[int, Identity, Mechanism, Policy]] = {}
-        adopt: list[tuple[PayloadHeader, Path]] = []
+        adopt: list[tuple[PayloadHeader, Path, int]] = []  # payloads without a record, checked, with their format
         for slot, raw in self.table.raw_slots():
             problem = record_problem(raw)
             if problem is None and not Mechanism.unpack(raw[MECHANISM_OFFSET:]).flags & Flags.VALID:
@@ -438,27 +437,31 @@ class DiskTier:
                 if bid in records and records[bid][1] != header.identity:
                     raise CorruptBlockError("its identity differs from its control record's")
                 if verify or bid not in records:  # an orphan is adopted only if its bytes check
-                    actual = digest(self.read(bid, count=False))
+                    payload = self.read(bid, count=False)
+                    actual = digest(payload)
                     if actual != header.digest:
                         raise CorruptBlockError(f"payload digest {actual} != recorded {header.digest}")
-            except CorruptBlockError as e:
+                    if bid not in records:
+                        dtype = next((t.dtype for n, t in payload.items() if n.startswith("k")), None)
+                        if dtype not in FORMATS:
+                            raise CorruptBlockError(f"key dtype {dtype} has no format code")
+                        adopt.append((header, path, FORMATS[dtype]))
+                    del payload
+            except (CorruptBlockError, SafetensorError, OSError, RuntimeError, ValueError) as e:
+                reason = str(e) if isinstance(e, CorruptBlockError) else f"unreadable ({type(e).__name__}: {e})"
                 if bid in records:
                     self.table.clear_slot(records.pop(bid)[0])
-                self.quarantined.append(Quarantined(bid, str(e), self._move_aside(path, str(e))))
+                self.quarantined.append(Quarantined(bid, reason, self._move_aside(path, reason)))
                 continue
             self.digests[bid] = header.digest
             if bid in records:
                 slot, _, mech, _ = records[bid]
                 self.table.slots[bid] = slot
                 self._epoch = max(self._epoch, mech.epoch)
-            else:
-                adopt.append((header, path))
         used = set(self.table.slots.values())
         self.table._next = max(used) + 1 if used else 0
         self.table._free = [s for s in range(self.table._next) if s not in used]
-        for header, path in adopt:
-            fmt = FORMATS[next(t.dtype for n, t in self.read(header.identity.block_id, count=False).items()
-                               if n.startswith("k"))]
+        for header, path, fmt in adopt:
             self.table.add(header.identity, header.policy, Mechanism(Tier.DISK, fmt, Transfer.IDLE, Flags.VALID,
                                                                      self.next_epoch()))
             self.repairs.append(f"adopted {path.name}: a payload without a record (a write stopped between its "
