@@ -403,7 +403,8 @@ def test_reopening_quarantines_damaged_blocks_cleans_temp_files_adopts_orphans_a
     p = tmp_path / f"{truncated:016x}.safetensors"
     p.write_bytes(p.read_bytes()[:p.stat().st_size // 2])
     control = bytearray((tmp_path / "control.bin").read_bytes())
-    control[slots[orphan] * RECORD_SIZE:(slots[orphan] + 1) * RECORD_SIZE] = bytes(RECORD_SIZE)  # killed before its record
+    # the orphan: a kill between its payload's rename and its record
+    control[slots[orphan] * RECORD_SIZE:(slots[orphan] + 1) * RECORD_SIZE] = bytes(RECORD_SIZE)
     control[slots[flipped] * RECORD_SIZE + 3] ^= 0x10  # one identity byte
     (tmp_path / "control.bin").write_bytes(bytes(control))
     (tmp_path / ".incoming-0123456789abcdef-00000000.tmp").write_bytes(b"half a payload")
@@ -559,7 +560,8 @@ def test_concurrent_updaters_never_misdirect_or_tear_a_policy(tmp_path):
     report = faults.concurrent_updaters(tmp_path, rounds=3, seconds=0.3, seed=2)
     print(f"\n{report.line()} ({time.perf_counter() - t:.1f} s)")
     assert report.ok, report.problems
-    assert report.acknowledged > 1000 and report.notes["drops that freed a slot"] > 20 and report.notes["refused updates"]
+    assert report.acknowledged > 1000 and report.notes["drops that freed a slot"] > 20
+    assert report.notes["refused updates"] > 100
 
 
 def test_flipped_and_truncated_bytes_are_never_served_and_spare_the_other_blocks(tmp_path):

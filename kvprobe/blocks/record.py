@@ -17,6 +17,7 @@ before anything is written.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import operator
@@ -44,6 +45,9 @@ RECORD_VERSION = 2  # 2: the policy's spare byte became the record check
 assert (IDENTITY.size, POLICY.size, MECHANISM.size, RECORD_SIZE) == (40, 16, 8, 64)
 
 
+_F32 = struct.Struct("<f")
+
+
 def _crc8_table() -> tuple[int, ...]:
     table = []
     for byte in range(256):
@@ -57,19 +61,24 @@ def _crc8_table() -> tuple[int, ...]:
 _CRC8 = _crc8_table()
 
 
-def crc8(data: bytes) -> int:
-    """CRC-8 (polynomial 0x07): detects every error confined to 8 consecutive bits, so any one bad byte."""
-    crc = 0
+def crc8(data: bytes, crc: int = 0) -> int:
+    """CRC-8 (polynomial 0x07), continued from ``crc``: detects every error confined to 8 consecutive bits, so
+    any one bad byte."""
     for byte in data:
         crc = _CRC8[crc ^ byte]
     return crc
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _identity_crc(identity: bytes) -> int:  # a block's identity never changes: hash it once per block
+    return crc8(identity)
+
+
 def record_check(identity_and_policy: bytes) -> int:
     """The check byte of a record's first 56 bytes (identity + policy), the check byte itself read as 0."""
-    raw = bytearray(identity_and_policy[:MECHANISM_OFFSET])
-    raw[CHECK_OFFSET] = 0
-    return crc8(bytes(raw))
+    policy = bytearray(identity_and_policy[POLICY_OFFSET:MECHANISM_OFFSET])
+    policy[CHECK_OFFSET - POLICY_OFFSET] = 0
+    return crc8(bytes(policy), _identity_crc(bytes(identity_and_policy[:POLICY_OFFSET])))
 
 
 def seal(identity: bytes, policy: bytes) -> bytes:
@@ -107,6 +116,8 @@ class RecordError(KVProbeError, ValueError):
 def _fit(obj: object, name: str, lo: int, hi: int) -> int:
     """Check that field ``name`` of a frozen dataclass is an integer in [lo, hi]; store it as a plain int."""
     value = getattr(obj, name)
+    if type(value) is int and lo <= value <= hi:  # the common case, kept cheap: policy updates run this
+        return value
     try:
         as_int = operator.index(value) if not isinstance(value, bool) else None
     except TypeError:
@@ -204,15 +215,18 @@ class Policy:
         _fit(self, "priority", 0, 255)
         _fit(self, "recency", 0, 2**32 - 1)
         for name, enum in (("qos", QoS), ("intent", Intent)):
-            value = _fit(self, name, 0, 255)
-            if value not in {int(m) for m in enum}:
-                raise RecordError(f"Policy.{name}={value!r}: use one of {[f'{m.name}={int(m)}' for m in enum]}")
-            object.__setattr__(self, name, enum(value))
+            value = getattr(self, name)
+            if type(value) is not enum:
+                value = _fit(self, name, 0, 255)
+                if value not in enum._value2member_map_:
+                    raise RecordError(f"Policy.{name}={value!r}: use one of {[f'{m.name}={int(m)}' for m in enum]}")
+                object.__setattr__(self, name, enum(value))
         reuse = self.reuse_score
         if isinstance(reuse, bool) or not isinstance(reuse, (int, float)) or not math.isfinite(reuse) \
                 or abs(reuse) > 3.4e38:
             raise RecordError(f"Policy.reuse_score={reuse!r}: use a finite float within float32 range")
-        object.__setattr__(self, "reuse_score", struct.unpack("<f", struct.pack("<f", float(reuse)))[0])
+        # stored as the float32 the record holds, so a policy equals itself read back
+        object.__setattr__(self, "reuse_score", _F32.unpack(_F32.pack(reuse))[0])
 
     def pack(self) -> bytes:
         """The 16 policy bytes with the check byte 0 (``seal`` sets it for an identity)."""

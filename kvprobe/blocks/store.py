@@ -40,8 +40,8 @@ from pathlib import Path
 
 from safetensors import SafetensorError
 
-from kvprobe.blocks.record import (FORMAT_DTYPES, FORMATS, Flags, Identity, Intent, Mechanism, Policy, RecordError, Tier,
-                                   Transfer)
+from kvprobe.blocks.record import (FORMAT_DTYPES, FORMATS, Flags, Identity, Intent, Mechanism, Policy, RecordError,
+                                   Tier, Transfer)
 from kvprobe.blocks.tiers import CorruptBlockError, DiskTier, Payload, Quarantined, RamTier, digest, payload_nbytes
 from kvprobe.errors import KVProbeError
 from kvprobe.kv.state import KVState
@@ -296,8 +296,8 @@ class BlockStore:
                 raise self._quarantine(bid, f"payload file unreadable ({type(e).__name__}: {e})")
             actual = digest(payload)
             if actual != self._digests[bid]:
-                raise self._quarantine(bid, f"payload digest {actual} != recorded {self._digests[bid]} (bytes changed on "
-                                      "disk)")
+                raise self._quarantine(bid, f"payload digest {actual} != recorded {self._digests[bid]} (bytes "
+                                            "changed on disk)")
             ident, policy = self.disk.table.identity(bid), self.disk.table.policy(bid)
             self.ram.write(ident, policy, self._fresh_mechanism(self.ram, Tier.RAM, payload), payload, owned=True)
             self._account("promote", before)
