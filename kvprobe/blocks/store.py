@@ -68,8 +68,8 @@ def payload_state(payload: Payload, ident: Identity) -> KVState:
 
 @dataclass
 class Ledger:
-    """Bytes moved, per operation name: payload (K/V tensors) read and written, and metadata (control
-    records) written."""
+    """Bytes moved between tiers, per operation name: payload (K/V tensors) read and written, and metadata
+    (control records) written. The copy handed to a reader is the reader's, not tier traffic: not counted."""
 
     payload_read: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     payload_written: dict[str, int] = field(default_factory=lambda: defaultdict(int))
