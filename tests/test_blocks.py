@@ -505,7 +505,7 @@ def test_an_update_never_lands_on_a_recycled_slot():
     mech = Mechanism(Tier.RAM, 1)
     table.add(b1, Policy(), mech)
     looked_up, recycled = threading.Event(), threading.Event()
-    updater = threading.current_thread()
+    updater = threading.current_thread()  # this thread updates; the helper recycles the slot
 
     class SlowLookups(dict):
         def get(self, key, default=None):
@@ -534,7 +534,6 @@ def test_an_update_never_lands_on_a_recycled_slot():
 
     helper = threading.Thread(target=recycle)
     helper.start()
-    updater = threading.current_thread()
     try:
         table.update_policy(b1.block_id, {"tenant": 4242})
     except KVProbeError as e:
@@ -552,6 +551,7 @@ def test_sigkill_at_random_points_loses_no_acknowledged_block_and_accepts_no_tor
     assert report.ok, report.problems
     assert report.trials == 60 and report.acknowledged > report.trials
     assert len([k for k in report.notes if k.startswith("killed ")]) >= 6  # kills landed at several syscalls
+    assert report.notes.get("recoveries killed", 0) > 0
     assert report.notes.get("payloads adopted", 0) + report.notes.get("temp files removed", 0) > 0
 
 

@@ -6,8 +6,9 @@ and ``torn_accepted`` (blocks served with bytes other than the ones stored) must
 - ``kill_trials``: a forked child runs a random plan of puts + demotions, policy updates, promotions and drops
   against a disk store and acknowledges each operation after it returns; it is killed with SIGKILL at a
   random store syscall (``write``/``pwrite``/``fsync``/``rename``/``unlink``/``ftruncate``, before or after it)
-  or on a random timer. The parent reopens the store and checks every block against the acknowledged
-  operations (the one in flight may have happened or not), then re-demotes whatever the kill lost;
+  or on a random timer; after half the kills a second child that only reopens the store is killed inside its
+  recovery. The parent reopens the store and checks every block against the acknowledged operations (the one
+  in flight may have happened or not), and the next child re-demotes whatever the kill lost;
 - ``concurrent_updaters``: threads updating one set of blocks' policies while another thread evicts, drops
   and re-puts blocks (recycling record slots) and moves blocks between tiers; no update may land on another
   block, refused updates must change nothing, and a block's copies must agree;
@@ -284,10 +285,18 @@ def kill_trials(root: str | Path, trials: int = 60, seed: int = 0) -> FaultRepor
         for ln in lines:
             if ln.startswith("kill "):
                 report.note(f"killed {ln[5:]}")
-            elif ln.startswith("error"):
-                report.fail("errors", f"trial {trial}: child {ln}")
             elif ln.startswith("torn"):
                 report.fail("torn_accepted", f"trial {trial}: child promoted damaged bytes of block {ln.split()[1]}")
+        if "done" not in lines and rng.random() < 0.5:
+            # a second crash, inside the recovery of the first: a child that only opens the store, killed at one
+            # of its first recovery syscalls (removing temp files, clearing records, adopting, fsyncing)
+            rec_lines, _ = _run_child(root, [], rng.randint(1, 8), rng.random() < 0.5, None)
+            if any(ln.startswith("kill ") for ln in rec_lines):
+                report.note("recoveries killed")
+            lines += [ln for ln in rec_lines if ln.startswith("error")]
+        for ln in lines:
+            if ln.startswith("error"):
+                report.fail("errors", f"trial {trial}: child {ln}")
         expected = present
         for op in plan[:acked]:
             expected = _apply(expected, op)
