@@ -57,7 +57,8 @@ def test_results_notebook_runs_on_records(results, tmp_path):
 
 def _fake_locality(name: str, template: str, field_only: float) -> dict:
     stat = {"all": {"mean": field_only, "ci_low": field_only, "ci_high": field_only}, "gated": {"mean": None}}
-    return {"experiment": "locality", "model": {"name": name}, "config": {"task": {"template": template}},
+    rows = [{"index": i, "scenario": f"s{i}", "included": False, "field_only": field_only} for i in range(2)]
+    return {"experiment": "locality", "model": {"name": name}, "config": {"task": {"template": template}}, "rows": rows,
             "summary": {"n_included": 0, "n_instances": 2, "oracle_flip": {"median": 0.1},
                         "recovery": {s: stat for s in ("stale", "field_only", "full_downstream", "oracle")}}}
 
