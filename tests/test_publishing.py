@@ -113,3 +113,6 @@ def test_figures_claims_and_report_need_no_study_file(scratch, tmp_path, monkeyp
     assert main(["report", "--results", str(scratch)]) == 0
     assert (scratch / "figures" / "fig3a_locality.png").is_file() and (scratch / "claims.json").is_file()
     assert "make " not in capsys.readouterr().err
+    from kvprobe.runner.report import _organism_for
+
+    assert _organism_for("smollm2-135m") == ORGANISM  # a null run still names the organism that shows the effect

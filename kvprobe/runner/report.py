@@ -39,11 +39,12 @@ def _organism_for(model: str) -> str | None:
     as base (kvprobe-organisms), else None."""
     from kvprobe.study import _study_file, load_study
 
-    if not _study_file().exists():
-        from kvprobe.organism.registry import load_registry
+    if not _study_file().exists():  # the installed organisms, through the model registry (never kvprobe.organism)
+        from kvprobe.models.registry import REGISTRY, register_organisms
 
-        organisms = load_registry().organisms
-        return next((a for a, o in organisms.items() if o.status == "recommended" and o.base_model == model), None)
+        register_organisms()
+        return next((e.alias for e in REGISTRY.values() if e.kind == "organism" and e.source == model
+                     and e.note.startswith("recommended")), None)
     models = load_study().models
     family = models[model].family if model in models else next(
         (e.family for name, e in models.items() if model.startswith(name)), None)
