@@ -69,3 +69,16 @@ def test_the_claims_forest_draws_every_study_model():
     drawn = forest_models(published(REPO / "results"))
     assert drawn == [m for m in study_models() if m in {r["model"]["name"] for r in published(REPO / "results")}]
     assert len(drawn) == len(study_models())
+
+
+def test_panels_at_chance_are_marked(tmp_path, monkeypatch):
+    """Memory E1 and E3 (full-recompute accuracy 0.50, n 10) say they are at chance; an informative panel does not."""
+    from kvprobe.figures import common, memory
+    from kvprobe.runner.report import published
+
+    assert common.covers_chance({"mean": 0.5, "ci_low": 0.19, "ci_high": 0.81})
+    assert not common.covers_chance({"mean": 1.0, "ci_low": 0.69, "ci_high": 1.0})
+    marked: list[str] = []
+    monkeypatch.setattr(memory, "mark_at_chance", lambda ax, what: marked.append(ax.get_title()))
+    memory.fig_memory([r for r in published(REPO / "results") if r["experiment"] == "memory"], tmp_path / "m.png")
+    assert sorted(t.split()[0] for t in marked) == ["E1", "E3"]
