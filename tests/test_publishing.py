@@ -116,3 +116,12 @@ def test_figures_claims_and_report_need_no_study_file(scratch, tmp_path, monkeyp
     from kvprobe.runner.report import _organism_for
 
     assert _organism_for("smollm2-135m") == ORGANISM  # a null run still names the organism that shows the effect
+
+
+def test_a_random_init_run_names_its_model_by_folder(tiny_text_dir, tmp_path, capsys):
+    assert main(["run", "locality", "--model", str(tiny_text_dir), "--random-init", "--set", "task.n_instances=2",
+                 "--set", "gate.min_flip=0", "--output-dir", str(tmp_path / "out"), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    result = next(line for line in out.splitlines() if line.startswith("result:"))
+    assert result.startswith(f"result: {tiny_text_dir.name} (random init), ") and "of 2 instances included" in result
+    assert str(tiny_text_dir) not in result and "RANDOM-INIT MODEL" in out

@@ -76,6 +76,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(exp.table(record["summary"]))
     from kvprobe.runner.report import interpretation
 
+    if record["model"].get("random_init"):  # named by its folder and marked, never by the machine path
+        from kvprobe.runner.records import random_init_label
+
+        record = {**record, "model": {**record["model"], "name": random_init_label(record["model"]["name"])}}
     sentence = interpretation(record)
     if sentence:
         print(sentence)
