@@ -125,3 +125,13 @@ def test_a_random_init_run_names_its_model_by_folder(tiny_text_dir, tmp_path, ca
     result = next(line for line in out.splitlines() if line.startswith("result:"))
     assert result.startswith(f"result: {tiny_text_dir.name} (random init), ") and "of 2 instances included" in result
     assert str(tiny_text_dir) not in result and "RANDOM-INIT MODEL" in out
+
+
+def test_only_the_published_folder_draws_into_figures(monkeypatch, tmp_path):
+    from kvprobe.study import output_paths, publishes_into
+
+    monkeypatch.chdir(REPO)
+    assert publishes_into("results") and output_paths("results") == (Path("figures"),
+                                                                      Path("figures/claims_forest.png"))
+    assert not publishes_into("runs") and output_paths("runs")[0] == Path("runs/figures")
+    assert not publishes_into(tmp_path) and output_paths(tmp_path)[1] == tmp_path / "figures" / "claims_forest.png"
