@@ -60,7 +60,7 @@ def test_figures_and_claims_on_a_scratch_folder_write_only_inside_it(scratch, mo
     assert _tracked_state() == before, "a scratch folder's figures or claims changed a published file"
     assert (scratch / "figures" / "fig3a_locality.png").is_file()
     assert (scratch / "figures" / "claims_forest.png").is_file()
-    assert (scratch / "claims.json").is_file()
+    assert (scratch / "claims.json").is_file() and (scratch / "claims.json").stat().st_mode & 0o777 == 0o644
     assert "figures/claims_forest.png" in out and str(REPO / "figures") not in out
 
 

@@ -45,7 +45,13 @@ def _guarded_claims(run: Callable[[Any], int]) -> Callable[[Any], int]:
         if args.figure:
             outputs.append(Path(args.figure))
         with no_partial_output(outputs):
-            return run(args)
+            code = run(args)
+        from kvprobe.runner.records import current_umask
+
+        for out in outputs:  # claims.json is written through a temporary file (0600): give it a plain file's mode
+            if out.is_file():
+                out.chmod(0o666 & ~current_umask())
+        return code
     return cmd
 
 
