@@ -243,7 +243,7 @@ def read_record(path: Path) -> dict[str, Any]:
 
 def random_init_label(name: str) -> str:
     """How figures and tables name a random-init model: its folder's name, marked, never the machine path the
-    run was given (``/tmp/.../tiny-llama`` -> ``tiny-llama (random init)``)."""
+    run was given (a folder ``.../tiny-llama`` -> ``tiny-llama (random init)``)."""
     return f"{Path(name).name or name} (random init)"
 
 
