@@ -42,9 +42,10 @@ def rule_rows(record: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
-def rule_split(records: list[dict[str, Any]]) -> dict[str, tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]]:
-    """Per model, the one record that best shows the rule's position (see RULE_SOURCES) and its rows split by it:
-    one record each, so no bar pools tasks."""
+def rule_split(records: list[dict[str, Any]]) -> dict[str, dict[str, tuple[dict[str, Any], list[dict[str, Any]]]]]:
+    """Per model and rule position, the record that best shows it (see RULE_SOURCES) and its rows there. One
+    record that moves only the rule serves both positions; failing one, each position takes its own best record
+    (e.g. the template for 'after', generated system_user instances for 'before'). A bar never pools records."""
     candidates: dict[str, list[tuple[int, int, dict[str, Any], dict[str, list[dict[str, Any]]]]]] = {}
     for order, rec in enumerate(tagged(records)):
         if rec["experiment"] == "locality_distance" and rec["_task"] in RULE_SOURCES:
@@ -55,18 +56,34 @@ def rule_split(records: list[dict[str, Any]]) -> dict[str, tuple[dict[str, Any],
             continue
         split = rule_rows(rec)
         if any(split.values()):
-            both = all(split.values())
-            candidates.setdefault(rec["model"]["name"], []).append((rank - (5 if both else 0), order, rec, split))
-    return {model: min(c, key=lambda t: t[:2])[2:] for model, c in candidates.items()}
+            candidates.setdefault(rec["model"]["name"], []).append((rank - (5 if all(split.values()) else 0), order,
+                                                                     rec, split))
+    out: dict[str, dict[str, tuple[dict[str, Any], list[dict[str, Any]]]]] = {}
+    for model, cands in candidates.items():
+        cands.sort(key=lambda c: c[:2])
+        out[model] = {}
+        for pos in POSITIONS:
+            best = next((c for c in cands if c[3][pos]), None)
+            if best is not None:
+                out[model][pos] = (best[2], best[3][pos])
+    return out
 
 
-def _source_label(split: dict[str, list[dict[str, Any]]], record: dict[str, Any]) -> str:
-    rows = [r for rs in split.values() for r in rs]
-    formats = sorted({r["format"] for r in rows if r.get("format")}) or [task_label(record)]
-    distances = sorted({int(r["distance_target"]) for r in rows if r.get("distance_target")})
-    names = {"user_turn": "user turn", "document_qa": "doc. QA", "system_user": "system+user", "tool_call": "tool call"}
-    return " + ".join(names.get(f, f.replace("_", " ")) for f in formats) + (
-        f"\n{'/'.join(map(str, distances))} tok" if distances else "")
+def _source_label(by_position: dict[str, tuple[dict[str, Any], list[dict[str, Any]]]]) -> str:
+    """The prompt shape each bar of a model comes from: once when one record serves both positions."""
+    def shape(record: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+        names = {"user_turn": "user turn", "document_qa": "doc. QA", "system_user": "system+user",
+                 "tool_call": "tool call"}
+        formats = sorted({r["format"] for r in rows if r.get("format")})
+        distances = sorted({int(r["distance_target"]) for r in rows if r.get("distance_target")})
+        text = " + ".join(names.get(f, f.replace("_", " ")) for f in formats) if formats else task_label(record)
+        return text + (f"\n{'/'.join(map(str, distances))} tok" if distances else "")
+
+    records = {id(rec) for rec, _ in by_position.values()}
+    if len(records) == 1:
+        rec = next(iter(by_position.values()))[0]
+        return shape(rec, [r for _, rows in by_position.values() for r in rows])
+    return "\n".join(f"{pos.split('_')[0]}: {shape(rec, rows)}" for pos, (rec, rows) in by_position.items())
 
 
 def _panels(models: list[str]) -> list[tuple[str, list[str]]]:
@@ -100,10 +117,10 @@ def fig3a_locality(records: list[dict[str, Any]], path: Path) -> None:
     for ax, (title, models) in zip(axes[0], panels):
         labels = []
         for m, name in enumerate(models):
-            rec, split = per_model[name]
+            by_position = per_model[name]
             for p, (pos, (label, color)) in enumerate(POSITIONS.items()):
                 x = m + (p - 0.5) * width
-                rows = split[pos]
+                rows = by_position[pos][1] if pos in by_position else []
                 included = [r for r in rows if r.get("included")]
                 if not rows:
                     ax.text(x, 0.02, "no run", ha="center", va="bottom", fontsize=5, rotation=90, color="#777777")
@@ -117,7 +134,7 @@ def fig3a_locality(records: list[dict[str, Any]], path: Path) -> None:
                 labelled.add(pos)
                 top = stat["mean"] if stat.get("ci_high") is None else max(stat["ci_high"], stat["mean"])
                 ax.text(x, max(top, 0) + 0.03, f"{len(included)}/{len(rows)}", ha="center", va="bottom", fontsize=5)
-            labels.append(f"{short_model(name).replace(' org. ', chr(10) + 'org. ')}\n{_source_label(split, rec)}")
+            labels.append(f"{short_model(name).replace(' org. ', chr(10) + 'org. ')}\n{_source_label(by_position)}")
         ax.set_xticks(range(len(models)), labels, fontsize=6)
         ax.set_xlim(-0.6, len(models) - 0.4)
         ax.axhline(0, color="black", lw=0.6)
