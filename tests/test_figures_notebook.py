@@ -58,7 +58,8 @@ def test_results_notebook_runs_on_records(results, tmp_path):
 
 def _fake_locality(name: str, template: str, field_only: float) -> dict:
     stat = {"all": {"mean": field_only, "ci_low": field_only, "ci_high": field_only}, "gated": {"mean": None}}
-    return {"experiment": "locality", "model": {"name": name}, "config": {"task": {"template": template}},
+    rows = [{"index": i, "scenario": f"s{i}", "included": False, "field_only": field_only} for i in range(2)]
+    return {"experiment": "locality", "model": {"name": name}, "config": {"task": {"template": template}}, "rows": rows,
             "summary": {"n_included": 0, "n_instances": 2, "oracle_flip": {"median": 0.1},
                         "recovery": {s: stat for s in ("stale", "field_only", "full_downstream", "oracle")}}}
 
@@ -93,3 +94,18 @@ def test_organisms_notebook_runs_on_the_committed_cards(tmp_path):
     text = json.dumps(outputs)
     assert "validation_large" in text and "smollm2-135m-gated-v3r" in text
     assert any(o.get("output_type") == "display_data" for o in outputs)  # the validation-against-test scatter
+
+
+def test_fig3a_splits_each_model_by_the_rule_position_one_record_per_bar():
+    from kvprobe.figures.locality import rule_split
+    from kvprobe.runner.report import published
+
+    organism = "smollm2-135m-gated-v3n2-seed2"
+    mine = [r for r in published(REPO / "results") if r["model"]["name"] == organism]
+    split = rule_split(mine)[organism]
+    before, after = split["before_field"], split["after_field"]
+    assert before[0] is after[0] and before[0]["_task"] == "rule_position"  # the same-format test serves both
+    assert {r["rule_at"] for r in before[1]} == {"before_field"} and len(before[1]) == len(after[1]) == 24
+    locality_only = rule_split([r for r in mine if r["experiment"] == "locality"])[organism]
+    assert locality_only["before_field"][0]["_task"].startswith("generated_test_system_user")
+    assert locality_only["after_field"][0] is not locality_only["before_field"][0]

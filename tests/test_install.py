@@ -1,9 +1,11 @@
-"""The wheel installs like its peers' and runs an experiment from a directory outside the checkout.
+"""The wheels install like their peers' and show the paper's effect from a directory outside the checkout.
 
-Builds the wheel from a copy of the working tree's files (what a fresh clone holds, so a stale ``build/`` can
-never leak into it), installs it with ``--no-deps`` into a throwaway venv that sees the test environment's
-packages (torch, transformers ...) but not its kvprobe, and runs ``kvprobe run locality`` there on the tiny
-random-init model. ``-m 'not install'`` skips it in quick runs; ``make test`` runs it.
+Builds the kvprobe wheel and the kvprobe-organisms wheel (``organisms/``: the recommended organisms) from a copy
+of the working tree's files (what a fresh clone holds, so a stale ``build/`` can never leak into them), without a
+setuptools warning, installs both with ``--no-deps`` into a throwaway venv that sees the test environment's
+packages (torch, transformers, the embedded model packages ...) but not its kvprobe, and there runs
+``kvprobe run locality`` on the tiny random-init model and on the recommended SmolLM2 organism (small n), then
+``kvprobe report``, ``figures`` and ``claims`` on those runs. ``-m 'not install'`` skips it; ``make test`` runs it.
 """
 
 from __future__ import annotations
@@ -47,18 +49,35 @@ def installed(tmp_path_factory) -> tuple[Path, Path]:
         (src / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO / rel, src / rel)
     dist = tmp / "dist"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dist),
-                    str(src)], check=True, capture_output=True, cwd=tmp)
+    for project in (src, src / "organisms"):
+        build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w",
+                                str(dist), str(project)], capture_output=True, text=True, cwd=tmp)
+        assert build.returncode == 0, build.stderr[-3000:]
+        noise = [line for line in (build.stdout + build.stderr).splitlines() if "Warning" in line or "would be ignored"
+                 in line]
+        assert not noise, f"building {project.name} warns:\n" + "\n".join(noise[:10])
     wheel = next(dist.glob("kvprobe-*.whl"))
+    organisms_wheel = next(dist.glob("kvprobe_organisms-*.whl"))
     env_dir = tmp / "venv"
     venv.create(env_dir, with_pip=False)
     purelib = Path(subprocess.run([str(env_dir / "bin" / "python"), "-c",
                                    "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                   capture_output=True, text=True, check=True).stdout.strip())
     (purelib / "_outer_env.pth").write_text("\n".join(_outer_site_packages()) + "\n")
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(env_dir / "bin" / "python"), "install", "-q",
-                    "--no-deps", "--no-build-isolation", str(wheel)], check=True, capture_output=True, cwd=tmp)
+    for built in (wheel, organisms_wheel):
+        # the outer kvprobe (same version, seen through the .pth) must not count as already installed
+        pip = subprocess.run([sys.executable, "-m", "pip", "--python", str(env_dir / "bin" / "python"), "install",
+                              "--no-deps", "--no-build-isolation", "--ignore-installed", str(built)],
+                             capture_output=True, text=True, cwd=tmp)
+        assert pip.returncode == 0, pip.stdout[-2000:] + pip.stderr[-2000:]
+    assert (env_dir / "bin" / "kvprobe").exists(), "the kvprobe wheel did not install its console script"
     return wheel, env_dir
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "KVPROBE_ORGANISMS")}
+    env.update(OMP_NUM_THREADS="2", HF_HUB_OFFLINE="1")
+    return env
 
 
 def test_wheel_holds_configs_and_experiments_under_kvprobe(installed):
@@ -74,12 +93,57 @@ def test_wheel_holds_configs_and_experiments_under_kvprobe(installed):
     assert zipfile.ZipFile(wheel).read(top).decode().split() == ["kvprobe"]
 
 
+def test_the_organisms_wheel_holds_the_recommended_organisms_and_the_kvprobe_wheel_no_weights(installed):
+    import zipfile
+
+    from kvprobe.organism.registry import load_registry
+
+    wheel, _ = installed
+    assert not [n for n in zipfile.ZipFile(wheel).namelist() if n.endswith((".safetensors", ".bin", ".gguf"))]
+    organisms_wheel = next(wheel.parent.glob("kvprobe_organisms-*.whl"))
+    names = zipfile.ZipFile(organisms_wheel).namelist()
+    adapters = sorted(n.split("/")[1] for n in names if n.endswith("adapter_model.safetensors"))
+    assert adapters == sorted(load_registry(REPO / "organisms").recommended().values())
+    assert "kvprobe_organisms/registry.yaml" in names
+
+
+def test_installed_wheels_run_the_recommended_organism_and_draw_its_figure(installed, tmp_path):
+    """A user with the two wheels and no checkout: the SmolLM2 organism gates (every instance included), and
+    report, figures and claims read those runs, writing only inside runs/, naming CLI commands, never make."""
+    _, env_dir = installed
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    kvprobe = str(env_dir / "bin" / "kvprobe")
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([kvprobe, *args], cwd=work, env=_env(), capture_output=True, text=True, timeout=600)
+
+    run = cli("run", "locality", "--model", "smollm2-135m-gated-v3n2-seed2", "--set", "task.n_instances=2", "--quiet")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "2 of 2 instances" in run.stdout and "field-only" in run.stdout, run.stdout
+    records = list((work / "runs" / "locality" / "smollm2-135m-gated-v3n2-seed2").glob("*.json"))
+    assert len(records) == 1 and json.loads(records[0].read_text())["summary"]["n_included"] == 2
+    report = cli("report")  # reads runs/: an installed kvprobe has no published results/
+    assert report.returncode == 0 and "smollm2-135m-gated-v3n2-seed2" in report.stdout, report.stderr
+    figures = cli("figures")
+    assert figures.returncode == 0, figures.stderr[-2000:]
+    assert (work / "runs" / "figures" / "fig3a_locality.png").is_file()
+    claims = cli("claims")
+    assert claims.returncode == 0, claims.stderr[-2000:]
+    assert (work / "runs" / "claims.json").is_file() and (work / "runs" / "figures" / "claims_forest.png").is_file()
+    assert sorted(p.name for p in work.iterdir()) == ["runs"], "something was written outside runs/"
+    for out in (run, report, figures, claims):
+        assert "make " not in out.stdout + out.stderr, "a message names a make target, and there is no Makefile"
+    empty = subprocess.run([kvprobe, "report", "--results", "nothing"], cwd=work, env=_env(), capture_output=True,
+                           text=True)
+    assert empty.returncode == 2 and "`kvprobe " in empty.stderr and "make" not in empty.stderr, empty.stderr
+
+
 def test_installed_wheel_runs_an_experiment_outside_the_checkout(installed, tiny_text_dir, tmp_path):
     _, env_dir = installed
     work = tmp_path / "elsewhere"
     work.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    env.update(OMP_NUM_THREADS="2", HF_HUB_OFFLINE="1")
+    env = _env()
     python = str(env_dir / "bin" / "python")
     where = subprocess.run([python, "-c", "import kvprobe, kvprobe.experiments.locality as m; print(kvprobe.__file__); "
                             "import importlib.util as u; print(u.find_spec('experiments') is None)"],

@@ -65,3 +65,34 @@ def test_rerun_of_a_recorded_config_goes_to_runs_and_reproduces(tiny_text_dir, t
     assert third == second
     replaced, rec4 = run_experiment(cfg, progress=False, overwrite=True)  # the explicit way to replace
     assert replaced == first and "reproduction" not in rec4
+
+
+def test_the_tolerance_is_the_stated_factor_over_the_measured_thread_spread():
+    from kvprobe.runner.reproduce import DEFAULT_TOL_NATS, THREAD_SPREAD_NATS, TOLERANCE_FACTOR
+
+    assert TOLERANCE_FACTOR * THREAD_SPREAD_NATS <= DEFAULT_TOL_NATS < 2 * TOLERANCE_FACTOR * THREAD_SPREAD_NATS
+    at_one_thread = copy.deepcopy(ROW) | {"oracle_ld": 3.71 + THREAD_SPREAD_NATS}  # the measured 1-thread rerun
+    assert compare_records(record(ROW), record(at_one_thread)).verdict == "reproduced"
+    real_change = copy.deepcopy(ROW) | {"oracle_ld": 3.71 + 2 * DEFAULT_TOL_NATS}
+    assert compare_records(record(ROW), record(real_change)).verdict == "differs"
+
+
+def test_no_recovery_is_printed_when_no_instance_is_included():
+    """A recovery over a flip of noise is noise: with nothing included the table shows nats only."""
+    noisy = copy.deepcopy(ROW) | {"field_only": 17.3}
+    table = reproduction_table({"reference": "r", **compare_records(record(ROW), record(noisy)).to_dict()})
+    assert "max |d recovery|" not in table and "1.70e+01" not in table
+    assert "recoveries not compared: no instance passed the inclusion rule" in table
+    included = [ROW | {"included": True}]
+    table = reproduction_table({"reference": "r", **compare_records(record(*included), record(*included)).to_dict()})
+    assert "max |d recovery|" in table
+
+
+def test_the_locality_table_prints_no_ratio_when_nothing_is_included():
+    from kvprobe.probes.summary import format_recovery_table
+
+    stat = {"mean": 7.56, "ci_low": 0.64, "ci_high": 19.5, "n": 48}
+    summary = {"n_instances": 48, "n_included": 0, "gate": {"min_flip": 0.5}, "oracle_flip": {"median": 0.03},
+               "recovery": {s: {"gated": {"mean": None, "n": 0}, "all": stat} for s in ("stale", "field_only")}}
+    table = format_recovery_table(summary, ("stale", "field_only"))
+    assert "7.56" not in table and "+7.560" not in table and "recoveries not shown" in table

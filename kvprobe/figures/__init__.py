@@ -17,11 +17,12 @@ from kvprobe.figures.locality import fig3a_locality, figC_offtemplate  # noqa: E
 from kvprobe.figures.specificity import table4_specificity  # noqa: E402
 from kvprobe.figures.suffix import fig3bc_suffix  # noqa: E402
 from kvprobe.figures.transplant import fig6b_transplant  # noqa: E402
-from kvprobe.runner.records import load_records  # noqa: E402
+from kvprobe.errors import KVProbeError  # noqa: E402
+from kvprobe.runner.records import current_umask, load_records  # noqa: E402
 
 # figure file stem -> (experiment whose records it reads, drawing function(records, path))
 FIGURES: dict[str, tuple[str, Callable[[list[dict[str, Any]], Path], None]]] = {
-    "fig3a_locality": ("locality", fig3a_locality),
+    "fig3a_locality": ("", fig3a_locality),  # reads locality and locality_distance (the rule-position runs)
     "figC_offtemplate": ("locality", figC_offtemplate),
     "fig3bc_suffix": ("suffix", fig3bc_suffix),
     "fig6b_transplant": ("transplant", fig6b_transplant),
@@ -94,38 +95,54 @@ def bench_records(results_dir: str | Path, name: str) -> list[dict[str, Any]]:
     return [r for r in recs if r.get("benchmark") == name]
 
 
-def render_all(results_dir: str | Path = "results", out_dir: str | Path = "figures") -> list[Path]:
+def render_all(results_dir: str | Path = "results", out_dir: str | Path | None = None) -> list[Path]:
     """Every figure from the records the study publishes (``study.yaml``), never from scratch or archive records:
     each figure gets the published records of its experiment, tagged with their task (``_task``). A folder with
-    no published record at all (a scratch folder: ``kvprobe figures --results runs``) is drawn from all of its
-    records, the newest per (experiment, task, model). Benchmark figures (``BENCH``) read the committed
-    benchmark records in ``<results_dir>/bench/``."""
-    from kvprobe.runner.records import task_stem
-    from kvprobe.study import published_records
+    no published record at all (a scratch folder: ``kvprobe figures --results runs``, or any folder of an
+    installed kvprobe, which has no study file) is drawn from all of its records, the newest per
+    (experiment, task, model). Benchmark figures (``BENCH``) read the benchmark records in ``<results_dir>/bench/``.
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    ``out_dir`` defaults to the published ``figures/`` for the published folder and to ``<results_dir>/figures/``
+    for any other (:func:`kvprobe.study.output_paths`). Figures are drawn in a temporary folder and moved into
+    ``out_dir`` only when drawn: a figure this call does not draw is never deleted, and a call that draws nothing
+    creates nothing."""
+    import shutil
+    import tempfile
+
+    from kvprobe.runner.records import task_stem
+    from kvprobe.study import output_paths, published_records
+
+    if not Path(results_dir).is_dir():
+        raise KVProbeError(f"no records folder {results_dir}/ (give --results the folder your runs wrote, e.g. runs)")
+    out = Path(out_dir) if out_dir is not None else output_paths(results_dir)[0]
     records = load_records(results_dir)
     published = published_records(records)
     if not published:
         newest = {(r["experiment"], task_stem(r), r["model"]["name"]): {**r, "_task": task_stem(r)} for r in records}
         published = list(newest.values())
-    written = []
+    jobs: list[tuple[str, Callable[[list[dict[str, Any]], Path], None], list[dict[str, Any]]]] = []
     for stem, (name, draw) in BENCH.items():
-        path = out / f"{stem}.png"
-        path.unlink(missing_ok=True)
-        records = bench_records(results_dir, name)
-        if records:
-            draw(records, path)
-        if path.exists():
-            written.append(path)
+        jobs.append((stem, draw, bench_records(results_dir, name)))
     for stem, (experiment, draw) in FIGURES.items():
-        records = [r for r in published if not experiment or r["experiment"] == experiment]
-        if not records:
-            continue
-        path = out / f"{stem}.png"
-        path.unlink(missing_ok=True)  # a figure is a pure function of the records: never keep a stale one
-        draw(records, path)
-        if path.exists():  # a figure may find nothing of its kind among the records (e.g. no off-template run)
-            written.append(path)
-    return written
+        jobs.append((stem, draw, [r for r in published if not experiment or r["experiment"] == experiment]))
+    written = []
+    with tempfile.TemporaryDirectory(prefix="kvprobe-figures-") as tmp:
+        for stem, draw, recs in jobs:
+            if not recs:
+                continue
+            drawn = Path(tmp) / f"{stem}.png"
+            draw(recs, drawn)
+            if drawn.exists():  # a figure may find nothing of its kind among the records (e.g. no off-template run)
+                written.append(drawn)
+        if not written:
+            raise KVProbeError(f"no figure to draw from the records under {results_dir}/ (none of their experiments "
+                               "has a figure, or the folder holds no records): nothing written")
+        out.mkdir(parents=True, exist_ok=True)
+        mask = current_umask()
+        final = []
+        for drawn in written:
+            target = out / drawn.name
+            shutil.move(drawn, target)
+            target.chmod(0o666 & ~mask)  # a temporary file's 0600 would follow it
+            final.append(target)
+    return final

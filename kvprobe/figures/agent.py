@@ -9,14 +9,14 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 
-from kvprobe.figures.common import bar_with_ci, latest_per_model, save
+from kvprobe.figures.common import bar_with_ci, latest_per_model, save, short_model
 
 
 def fig7b_agent(records: list[dict[str, Any]], path: Path) -> None:
     per_model = latest_per_model(records)
     if not per_model:
         return
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(4 + 3.2 * len(per_model), 4.3))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(6.5, 3.4))
     colors = {"unified": "tab:blue", "front": "tab:orange", "end": "tab:green", "reprefill": "tab:grey"}
     for m, (model, rec) in enumerate(per_model.items()):
         s = rec["summary"]
@@ -32,17 +32,20 @@ def fig7b_agent(records: list[dict[str, Any]], path: Path) -> None:
         w = 0.8 / len(ratios)
         for j, (name, r) in enumerate(ratios):
             ax2.bar(m + (j - (len(ratios) - 1) / 2) * w, r, w, color=colors[name], label=name if m == 0 else None)
-    labels = [m.replace("-gated", "\n-gated") for m in per_model]
+    labels = [short_model(m).replace(" org. ", "\norg. ") for m in per_model]
     for a in (ax, ax2):
-        a.set_xticks(range(len(per_model)), labels, fontsize=7)
-        a.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, frameon=False)
+        a.set_xticks(range(len(per_model)), labels, fontsize=6)
+        a.tick_params(axis="y", labelsize=6)
+        a.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False)
     ax.set_ylim(0, 1.05)
-    ax.set_ylabel("decision agreement with full recompute")
-    ax.set_title("agreement (front/end: last turn, own recompute)", fontsize=8)
+    ax.set_ylabel("decision agreement with full recompute", fontsize=7)
+    ax.set_title("agreement\n(front/end: last turn, own recompute)", fontsize=7)
     ax2.axhline(1.0, color="tab:blue", lw=0.8, ls="--")
-    ax2.set_ylabel("prefilled tokens over the unified path's")
-    ax2.set_title("cumulative prefill (dashed: unified = 1)", fontsize=8)
-    fig.suptitle("Unified edit+compose agent vs placement baselines (paper Fig. 7b, 12)", fontsize=10)
+    ax2.set_ylabel("prefilled tokens over the unified path's", fontsize=7)
+    ax2.set_title("cumulative prefill\n(dashed: unified = 1)", fontsize=7)
+    fig.suptitle("Unified edit+compose agent vs placement baselines (paper Fig. 7b, 12)", fontsize=8)
+    fig.subplots_adjust(bottom=0.27, top=0.82, left=0.09, right=0.98, wspace=0.3)
+    fig._kvprobe_laid_out = True
     save(fig, path)
 
 

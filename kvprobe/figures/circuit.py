@@ -37,7 +37,7 @@ def fig15a_heads(records: list[dict[str, Any]], path: Path) -> None:
     """(a) joint top-k read vs write heads with random-head controls; (f) per-head read effect by layer."""
     per_model = latest_per_model(records)
     n = len(per_model)
-    fig = plt.figure(figsize=(7.2, 5.8))
+    fig = plt.figure(figsize=(6.5, 6.6))
     grid_spec = fig.add_gridspec(2, max(n, 1), height_ratios=(1.1, 1))
     a = fig.add_subplot(grid_spec[0, :])
     fig.suptitle("Read and write heads (paper Fig. 15a/f)", fontsize=10)
@@ -54,7 +54,7 @@ def fig15a_heads(records: list[dict[str, Any]], path: Path) -> None:
     a.set_ylabel("decision recovery", fontsize=8)
     a.axhline(0, color="black", lw=0.5)
     a.axhline(1, color="black", lw=0.4, ls=":")
-    a.legend(fontsize=5.5, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    a.legend(fontsize=5, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False)
     for i, (name, rec) in enumerate(per_model.items()):
         ax = fig.add_subplot(grid_spec[1, i])
         s, w = rec["summary"], which(rec["summary"])

@@ -69,9 +69,9 @@ MODEL_PALETTE = ("#1b6ca8", "#d1495b", "#2e8b57", "#8d6a9f", "#e08e0b", "#555555
 
 def model_color(name: str) -> str:
     """One colour per study model, the same in every panel and figure (study order)."""
-    from kvprobe.study import study_models
+    from kvprobe.study import study_models, study_present
 
-    models = study_models()
+    models = study_models() if study_present() else []
     return MODEL_PALETTE[models.index(name) % len(MODEL_PALETTE)] if name in models else MODEL_PALETTE[-1]
 
 
@@ -131,3 +131,20 @@ def save(fig, path: Path, dpi: int = 130) -> None:
 def random_init_models(records: list[dict[str, Any]]) -> set[str]:
     """Models whose records come from seeded random weights (``--random-init``): every figure marks them."""
     return {r["model"]["name"] for r in records if r.get("random_init") or (r.get("model") or {}).get("random_init")}
+
+
+def covers_chance(stat: dict[str, Any] | None, chance: float = 0.5) -> bool:
+    """Whether an accuracy is indistinguishable from chance: its interval holds ``chance`` (a binary decision: 0.5)."""
+    if not stat or stat.get("mean") is None:
+        return False
+    lo = stat["mean"] if stat.get("ci_low") is None else stat["ci_low"]
+    hi = stat["mean"] if stat.get("ci_high") is None else stat["ci_high"]
+    return lo <= chance <= hi
+
+
+def mark_at_chance(ax, what: str) -> None:
+    """Mark a panel whose reference accuracy is at chance: what it draws cannot show the paper's effect."""
+    ax.set_facecolor("#f1f1f1")
+    ax.text(0.5, 0.5, f"AT CHANCE: {what}", transform=ax.transAxes, ha="center", va="center", fontsize=6,
+            color="#8b0000", bbox={"boxstyle": "round", "fc": "white", "ec": "#8b0000", "lw": 0.6, "alpha": 0.85},
+            wrap=True, zorder=10)

@@ -114,7 +114,7 @@ def fig_locality_sizes(records: list[dict[str, Any]], path: Path) -> None:
     if not cells:
         return
     distances = sorted({c["distance"] for c in cells})
-    fig, axes = plt.subplots(2, len(distances), figsize=(3.3 * len(distances) + 0.6, 5.4), squeeze=False,
+    fig, axes = plt.subplots(2, len(distances), figsize=(6.5, 5.4), squeeze=False,
                              sharex=True, gridspec_kw={"height_ratios": [2.2, 1]})
     lines = sorted({(c["format"], c["rule"]) for c in cells})
     for col, dist in enumerate(distances):
@@ -143,8 +143,8 @@ def fig_locality_sizes(records: list[dict[str, Any]], path: Path) -> None:
         top.axhline(0, color="black", lw=0.6)
         top.axhline(1, color="black", lw=0.4, ls=":")
         measured = [c["cell"]["distance_tokens_mean"] for c in cells if c["distance"] == dist]
-        top.set_title(f"field {dist} tokens before the decision (measured {min(measured):.0f}-{max(measured):.0f})",
-                      fontsize=8)
+        top.set_title(f"field {dist} tokens before the decision\n(measured {min(measured):.0f}-{max(measured):.0f})",
+                      fontsize=7)
         bottom.set_ylim(-0.05, 1.05)
         bottom.set_xscale("log")
         bottom.set_xlim(0.09, 12)
@@ -161,10 +161,10 @@ def fig_locality_sizes(records: list[dict[str, Any]], path: Path) -> None:
             if lab not in labels:
                 handles.append(h)
                 labels.append(lab)
-    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=6.5, frameon=False)
-    fig.suptitle("Locality across pretrained sizes: does the decision read the field? (paper Fig. 3a, by size)",
-                 fontsize=9)
-    fig.tight_layout(rect=(0, 0.11, 1, 0.96))
+    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=6, frameon=False)
+    fig.suptitle("Locality across pretrained sizes: does the decision read the field?\n(paper Fig. 3a, by size)",
+                 fontsize=8)
+    fig.tight_layout(rect=(0, 0.13, 1, 0.95))
     fig.savefig(path, dpi=130)
     plt.close(fig)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 
-from kvprobe.figures.common import latest_per_model, save
+from kvprobe.figures.common import covers_chance, latest_per_model, save, short_model
 
 
 def _point(stat: dict[str, Any]) -> tuple[float, float, float] | None:
@@ -25,7 +25,7 @@ def fig7a_edit_in_transplant(records: list[dict[str, Any]], path: Path) -> None:
     per_model = latest_per_model(records)
     if not per_model:
         return
-    fig, axes = plt.subplots(1, 2, figsize=(9, 4.2))
+    fig, axes = plt.subplots(1, 2, figsize=(6.5, 4.0))
     cmap = plt.get_cmap("tab10")
     markers = "osD^v<>"
     for ax, metric, label in ((axes[0], "recovery", "recovery"), (axes[1], "p_correct", "P(correct)")):
@@ -42,14 +42,22 @@ def fig7a_edit_in_transplant(records: list[dict[str, Any]], path: Path) -> None:
                             color=cmap(i), ms=5, lw=0.7, capsize=2, label=None if name in labelled else name)
                 labelled.add(name)
             if metric == "p_correct":
-                ax.plot([], [], markers[m % len(markers)], color="black", label=f"model: {model}")
-        ax.set_xlabel(f"{label}, normally prefilled context")
-        ax.set_ylabel(f"{label}, field inside the transplanted chunk")
+                reference = rec["summary"]["methods"].get("full_reprefill", {}).get("normal", {}).get("p_correct")
+                chance = " (AT CHANCE: full reprefill's P(correct) holds 0.5)" if covers_chance(reference) else ""
+                ax.plot([], [], markers[m % len(markers)], color="black", label=f"model: {short_model(model)}{chance}")
+        ax.set_xlabel(f"{label}, normally prefilled context", fontsize=7)
+        ax.set_ylabel(f"{label}, field inside the transplanted chunk", fontsize=7)
         ax.set_xlim(-0.2, 1.2)
         ax.set_ylim(-0.2, 1.2)
-    axes[1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        ax.set_aspect("equal")
+        ax.tick_params(labelsize=6)
+    handles, names = axes[1].get_legend_handles_labels()
+    fig.legend(handles, names, fontsize=6, loc="lower center", ncol=3, frameon=False)
     axes[0].set_title("models with gated instances", fontsize=8)
-    fig.suptitle("Editing inside a transplant vs a normal context (paper Fig. 7a)", fontsize=10)
+    axes[1].set_title("every model", fontsize=8)
+    fig.suptitle("Editing inside a transplant vs a normal context (paper Fig. 7a)", fontsize=9)
+    fig.subplots_adjust(bottom=0.24, top=0.88, left=0.09, right=0.98, wspace=0.3)
+    fig._kvprobe_laid_out = True
     save(fig, path)
 
 

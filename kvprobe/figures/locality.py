@@ -1,7 +1,8 @@
-"""Figure 3a: decision recovery of the four cache states, per model, with bootstrap CIs.
+"""Figure 3a: field-only recovery with the rule before vs after the field, per model (the principal finding), and
+Appendix C's off-template shapes.
 
-Bars use the gated instances. A model with no gated instance is drawn hatched from all instances and
-labelled so, because a recovery over near-zero oracle flips is a ratio of noise.
+Bars use the included instances. In Appendix C a shape with no included instance is drawn hatched from all
+instances and labelled so, because a recovery over near-zero oracle flips is a ratio of noise.
 """
 
 from __future__ import annotations
@@ -11,52 +12,153 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 
-from kvprobe.figures.common import bar_with_ci, legend_below, main_per_model, save, short_model, tagged, task_label
+from kvprobe.figures.common import bar_with_ci, legend_below, save, short_model, tagged, task_label, task_template
 
 STATES = ("stale", "field_only", "full_downstream", "oracle")
 COLORS = {"stale": "#9e9e9e", "field_only": "#e07b39", "full_downstream": "#3a78b5", "oracle": "#2e7d32"}
 YLIM = (-0.5, 1.5)
 
 
+# Fig. 3a draws the principal finding: field-only recovery with the rule before vs after the field. Its sources,
+# best first: locality_distance runs that move only the rule within one format (the organisms' rule_position task,
+# the pretrained models' sizes task), then a locality record whose rows carry their rule position (generated
+# instances) or whose template puts the rule after the field (the paper's gated / polarity templates).
+RULE_SOURCES = {"rule_position": 0, "sizes": 1, "sizes_150": 2}
+RULE_AFTER_TEMPLATES = ("gated", "polarity", "polarity_wide")
+POSITIONS = {"before_field": ("rule before the field", "#3a78b5"), "after_field": ("rule after the field", "#e07b39")}
+PAPER_FIELD_ONLY = -0.028
+MAX_PER_PANEL = 4
+
+
+def rule_rows(record: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """A record's rows by the rule's position relative to the field (rows whose position is unknown: none)."""
+    generated = bool(record["config"]["task"].get("generator"))
+    default = "after_field" if not generated and Path(task_template(record)).stem in RULE_AFTER_TEMPLATES else None
+    out: dict[str, list[dict[str, Any]]] = {pos: [] for pos in POSITIONS}
+    for row in record.get("rows", []):
+        pos = row.get("rule_at") or default
+        if pos in out:
+            out[pos].append(row)
+    return out
+
+
+def rule_split(records: list[dict[str, Any]]) -> dict[str, dict[str, tuple[dict[str, Any], list[dict[str, Any]]]]]:
+    """Per model and rule position, the record that best shows it (see RULE_SOURCES) and its rows there. One
+    record that moves only the rule serves both positions; failing one, each position takes its own best record
+    (e.g. the template for 'after', generated system_user instances for 'before'). A bar never pools records."""
+    candidates: dict[str, list[tuple[int, int, dict[str, Any], dict[str, list[dict[str, Any]]]]]] = {}
+    for order, rec in enumerate(tagged(records)):
+        if rec["experiment"] == "locality_distance" and rec["_task"] in RULE_SOURCES:
+            rank = RULE_SOURCES[rec["_task"]]
+        elif rec["experiment"] == "locality":
+            rank = 10
+        else:
+            continue
+        split = rule_rows(rec)
+        if any(split.values()):
+            candidates.setdefault(rec["model"]["name"], []).append((rank - (5 if all(split.values()) else 0), order,
+                                                                     rec, split))
+    out: dict[str, dict[str, tuple[dict[str, Any], list[dict[str, Any]]]]] = {}
+    for model, cands in candidates.items():
+        cands.sort(key=lambda c: c[:2])
+        out[model] = {}
+        for pos in POSITIONS:
+            best = next((c for c in cands if c[3][pos]), None)
+            if best is not None:
+                out[model][pos] = (best[2], best[3][pos])
+    return out
+
+
+def _source_label(by_position: dict[str, tuple[dict[str, Any], list[dict[str, Any]]]]) -> str:
+    """The prompt shape each bar of a model comes from: once when one record serves both positions."""
+    def shape(record: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+        names = {"user_turn": "user turn", "document_qa": "doc. QA", "system_user": "system+user",
+                 "tool_call": "tool call"}
+        formats = sorted({r["format"] for r in rows if r.get("format")})
+        distances = sorted({int(r["distance_target"]) for r in rows if r.get("distance_target")})
+        text = " + ".join(names.get(f, f.replace("_", " ")) for f in formats) if formats else task_label(record)
+        return text + (f"\n{'/'.join(map(str, distances))} tok" if distances else "")
+
+    records = {id(rec) for rec, _ in by_position.values()}
+    if len(records) == 1:
+        rec = next(iter(by_position.values()))[0]
+        return shape(rec, [r for _, rows in by_position.values() for r in rows])
+    return "\n".join(f"{pos.split('_')[0]}: {shape(rec, rows)}" for pos, (rec, rows) in by_position.items())
+
+
+def _panels(models: list[str]) -> list[tuple[str, list[str]]]:
+    """Models in panels of at most MAX_PER_PANEL: pretrained and organisms apart where the study says which."""
+    from kvprobe.study import load_study, study_present
+
+    kinds = {m: e.kind for m, e in load_study().models.items()} if study_present() else {}
+    groups: dict[str, list[str]] = {}
+    for m in models:
+        groups.setdefault({"pretrained": "pretrained models", "organism": "organisms"}.get(kinds.get(m, ""), "models"),
+                          []).append(m)
+    return [(title if len(ms) <= MAX_PER_PANEL else f"{title} ({i // MAX_PER_PANEL + 1})", ms[i:i + MAX_PER_PANEL])
+            for title, ms in groups.items() for i in range(0, len(ms), MAX_PER_PANEL)]
+
+
 def fig3a_locality(records: list[dict[str, Any]], path: Path) -> None:
-    """One bar group per model, on its main prompt shape (named under the model: the template, or the chat
-    layout where a pretrained model gates only there)."""
-    per_model = main_per_model(records)
+    """Finding 1: refreshing only the field's cache entries recovers the decision where the rule comes before the
+    field, and almost nothing where it comes after (the paper's template). Per model two bars, field-only recovery
+    over the included instances with 95% cluster-bootstrap CIs; the identities (stale 0, full-downstream and
+    oracle 1 by construction) are not drawn. A position with no included instance says so instead of a bar."""
+    from kvprobe.probes.summary import summarize_column
+
+    per_model = rule_split(records)
     if not per_model:
         return
-    names = list(per_model)
-    fig, ax = plt.subplots(figsize=(6.5, 3.8))
-    width = 0.2
-    for m, name in enumerate(names):
-        summary = per_model[name]["summary"]
-        which = "gated" if summary["n_included"] > 0 else "all"
-        for s, state in enumerate(STATES):
-            stat = dict(summary["recovery"][state][which])
-            x = m + (s - 1.5) * width
-            if stat.get("mean") is not None and not YLIM[0] <= stat["mean"] <= YLIM[1]:
-                ax.annotate(f"{stat['mean']:+.1f}", (x, YLIM[1] if stat["mean"] > 0 else YLIM[0]), ha="center",
-                            va="bottom" if stat["mean"] > 0 else "top", fontsize=6, annotation_clip=False)
-            bar_with_ci(ax, x, stat, width, COLORS[state], label=state.replace("_", "-") if m == 0 else None)
-            if which == "all":
-                ax.patches[-1].set_hatch("///")
-                ax.patches[-1].set_alpha(0.5)
-    labels = []
-    for n in names:
-        s = per_model[n]["summary"]
-        tag = f"{s['n_included']}/{s['n_instances']} incl." if s["n_included"] else f"0/{s['n_instances']} incl. (hatched)"
-        labels.append(f"{short_model(n)}\n{task_label(per_model[n])}\n{tag}\n"
-                      f"flip median {s['oracle_flip'].get('median', float('nan')):.2f} nats")
-    ax.set_xticks(range(len(names)), labels, fontsize=7)
-    ax.set_ylim(*YLIM)
-    ax.set_xlim(-0.6, len(names) - 0.4)
-    ax.axhline(0, color="black", lw=0.6)
-    ax.axhline(1, color="black", lw=0.4, ls=":")
-    ax.axhline(-0.028, color="#e07b39", lw=0.8, ls="--")
-    ax.annotate("paper field-only -0.028 (Llama-3.1-8B)", (len(names) - 0.45, -0.028), ha="right", va="top",
-                fontsize=6, color="#e07b39")
-    ax.set_ylabel("decision recovery (fraction of oracle flip)", fontsize=8)
-    ax.set_title("Locality (paper Fig. 3a)", fontsize=10)
-    legend_below(fig, ax, ncol=4)
+    panels = _panels(list(per_model))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5, 3.6), squeeze=False,
+                             gridspec_kw={"width_ratios": [max(2, len(ms)) for _, ms in panels]}, sharey=True)
+    width = 0.36
+    labelled: set[str] = set()
+    for ax, (title, models) in zip(axes[0], panels):
+        labels = []
+        for m, name in enumerate(models):
+            by_position = per_model[name]
+            for p, (pos, (label, color)) in enumerate(POSITIONS.items()):
+                x = m + (p - 0.5) * width
+                rows = by_position[pos][1] if pos in by_position else []
+                included = [r for r in rows if r.get("included")]
+                if not rows:
+                    ax.text(x, 0.02, "no run", ha="center", va="bottom", fontsize=5, rotation=90, color="#777777")
+                    continue
+                if not included:
+                    ax.text(x, 0.02, f"0/{len(rows)} incl.", ha="center", va="bottom", fontsize=5, rotation=90,
+                            color=color)
+                    continue
+                stat = summarize_column(included, [r.get("field_only") for r in included], seed=0)
+                bar_with_ci(ax, x, stat, width, color, label=None if pos in labelled else label)
+                labelled.add(pos)
+                top = stat["mean"] if stat.get("ci_high") is None else max(stat["ci_high"], stat["mean"])
+                ax.text(x, max(top, 0) + 0.03, f"{len(included)}/{len(rows)}", ha="center", va="bottom", fontsize=5)
+            labels.append(f"{short_model(name).replace(' org. ', chr(10) + 'org. ')}\n{_source_label(by_position)}")
+        ax.set_xticks(range(len(models)), labels, fontsize=6)
+        ax.set_xlim(-0.6, len(models) - 0.4)
+        ax.axhline(0, color="black", lw=0.6)
+        ax.axhline(1, color="black", lw=0.4, ls=":")
+        ax.axhline(PAPER_FIELD_ONLY, color="black", lw=0.8, ls="--",
+                   label="paper, rule after the field: -0.028 (Llama-3.1-8B)" if ax is axes[0][0] else None)
+        ax.set_title(title, fontsize=8)
+        ax.tick_params(axis="y", labelsize=7)
+    axes[0][0].set_ylim(-0.2, 1.15)
+    axes[0][0].set_ylabel("field-only recovery\n(fraction of the oracle flip)", fontsize=7)
+    fig.suptitle("Fig. 3a: the field's own K/V carries the decision only when the rule comes before it", fontsize=8,
+                 y=0.985)
+    fig.text(0.5, 0.93, "included instances (oracle flip >= 0.5 nats; included / run over each bar), 95% cluster CI; "
+             "stale 0, full-downstream and oracle 1 by construction (not drawn)", ha="center", va="bottom",
+             fontsize=5.5, color="#444444")
+    handles, names = [], []
+    for ax in axes[0]:
+        h, n = ax.get_legend_handles_labels()
+        handles, names = handles + h, names + n
+    order = sorted(range(len(names)), key=lambda i: names[i].startswith("paper"))
+    fig.legend([handles[i] for i in order], [names[i] for i in order], fontsize=6, ncol=3, loc="lower center",
+               frameon=False)
+    fig.subplots_adjust(left=0.11, right=0.99, top=0.83, bottom=0.25, wspace=0.06)
+    fig._kvprobe_laid_out = True
     save(fig, path)
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 
-from kvprobe.figures.common import bar_with_ci, latest_per_model, save
+from kvprobe.figures.common import bar_with_ci, covers_chance, latest_per_model, mark_at_chance, save, short_model
 
 
 def _e1(ax: plt.Axes, per_model: dict[str, dict[str, Any]]) -> None:
@@ -23,19 +23,24 @@ def _e1(ax: plt.Axes, per_model: dict[str, dict[str, Any]]) -> None:
             for pl in e1["placements"]:
                 ys = [e1["accuracy"][mode][pl][str(n)]["mean"] for n in e1["lines"]]
                 ax.plot(xs, ys, marker="os^v"[m % 4], color=cmap(2 * m + j), ls="-" if pl == "early" else "--",
-                        label=f"{model.split('-gated')[0] + (' organism' if '-gated' in model else '')}, {mode}, {pl}")
+                        label=f"{short_model(model)}, {mode}, {pl}")
     ax.axhline(0.5, color="grey", lw=0.7, ls=":")
     ax.set_ylim(0, 1.05)
-    ax.set_xlabel("memory tokens")
-    ax.set_ylabel("full-recompute accuracy")
-    ax.set_title("E1 placement (solid early, dashed late)", fontsize=9)
+    ax.set_xlabel("memory tokens", fontsize=7)
+    ax.set_ylabel("full-recompute accuracy", fontsize=7)
+    ax.set_title("E1 placement (solid early, dashed late)", fontsize=8)
+    cells = [c for rec in per_model.values() if rec["summary"].get("e1")
+             for by_pl in rec["summary"]["e1"]["accuracy"].values() for by_n in by_pl.values() for c in by_n.values()]
+    if cells and all(covers_chance(c) for c in cells):
+        mark_at_chance(ax, "every cell's full-recompute\naccuracy interval holds 0.5")
 
 
 def fig_memory(records: list[dict[str, Any]], path: Path) -> None:
     per_model = latest_per_model(records)
     if not per_model:
         return
-    fig, axes = plt.subplots(1, 4, figsize=(18, 5.0))
+    fig, grid = plt.subplots(2, 2, figsize=(6.5, 7.0))
+    axes = grid.flat
     cmap = plt.get_cmap("tab10")
     _e1(axes[0], per_model)
     for m, (model, rec) in enumerate(per_model.items()):
@@ -48,7 +53,7 @@ def fig_memory(records: list[dict[str, Any]], path: Path) -> None:
         for k, (layout, by_s) in enumerate(s["granularity"].items()):
             xs = [int(x) for x in by_s]
             axes[2].plot(xs, [by_s[str(x)]["cosine"]["mean"] for x in xs], marker="os"[k % 2], color=cmap(m),
-                         ls="-" if k == 0 else "--", label=f"{model}, {layout}")
+                         ls="-" if k == 0 else "--", label=f"{short_model(model)}, {layout}")
         if "edit" in s:
             methods = s["edit"]["methods"]
             modes = s["edit"].get("modes", ["direct"])
@@ -58,23 +63,29 @@ def fig_memory(records: list[dict[str, Any]], path: Path) -> None:
                 stat = methods[name].get(f"p_correct_{mode}", methods[name]["p_correct"])
                 bar_with_ci(axes[3], m + (j - (len(bars) - 1) / 2) * w, stat, w, cmap(list(methods).index(name)),
                             label=f"{name}, {mode}" if m == 0 else None, hatch="//" if mode == "chain" else None)
-    labels = [m.replace("-gated", "\n-gated") for m in per_model]
+    labels = [short_model(m).replace(" org. ", "\norg. ") for m in per_model]
     for ax in (axes[1], axes[3]):
-        ax.set_xticks(range(len(per_model)), labels, fontsize=7)
+        ax.set_xticks(range(len(per_model)), labels, fontsize=6)
         ax.set_ylim(0, 1.05)
-    axes[1].set_ylabel("decision agreement with full recompute")
-    axes[1].set_title("E2 memory transplant (late)", fontsize=9)
+    axes[1].set_ylabel("decision agreement with full recompute", fontsize=7)
+    axes[1].set_title("E2 memory transplant (late)", fontsize=8)
     axes[2].set_xscale("log", base=2)
-    axes[2].set_xlabel("S independently precompiled blocks")
-    axes[2].set_ylabel("logit cosine vs full recompute")
-    axes[2].set_title("E4 granularity", fontsize=9)
-    axes[3].set_ylabel("P(correct) after toggling a stored fact")
-    axes[3].set_title("E3 mid-session edit (hatched: after a chain)", fontsize=9)
+    axes[2].set_xlabel("S independently precompiled blocks", fontsize=7)
+    axes[2].set_ylabel("logit cosine vs full recompute", fontsize=7)
+    axes[2].set_title("E4 granularity", fontsize=8)
+    axes[3].set_ylabel("P(correct) after toggling a stored fact", fontsize=7)
+    axes[3].set_title("E3 mid-session edit (hatched: after a chain)", fontsize=8)
+    # E3's reference: the full recompute of the toggled memory (per mode, direct and after a chain)
+    oracle = [stat for rec in per_model.values() if "edit" in rec["summary"]
+              for stat in rec["summary"]["edit"].get("oracle_accuracy", {}).values()]
+    if oracle and all(covers_chance(stat) for stat in oracle):
+        mark_at_chance(axes[3], "full-recompute accuracy\nholds 0.5 in every model")
     for ax in axes:  # below each panel, never over the bars
-        ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
-    fig.subplots_adjust(bottom=0.3, wspace=0.3, left=0.05, right=0.98)
+        ax.tick_params(labelsize=6)
+        ax.legend(fontsize=5, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
+    fig.subplots_adjust(bottom=0.15, top=0.915, hspace=0.75, wspace=0.32, left=0.09, right=0.98)
     fig._kvprobe_laid_out = True  # the legends below need the room tight_layout would take back
-    fig.suptitle("User memory: composed and edited notes (paper Sec. 7)", fontsize=10)
+    fig.suptitle("User memory: composed and edited notes (paper Sec. 7)", fontsize=9)
     save(fig, path)
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 
-from kvprobe.figures.common import bar_with_ci, latest_per_model, save
+from kvprobe.figures.common import bar_with_ci, latest_per_model, save, short_model
 
 
 def sec9_tau2(records: list[dict[str, Any]], path: Path) -> None:
@@ -18,7 +18,8 @@ def sec9_tau2(records: list[dict[str, Any]], path: Path) -> None:
     names = list(per_model)
     cells = [("arm_a", m) for m in ("full", "transplant")] + \
             [("arm_b", m) for m in ("stale", "in_place", "erratum", "field_erratum", "transplant", "full_reprefill")]
-    fig, axes = plt.subplots(1, 2, figsize=(5 + 3 * len(names), 3.6), gridspec_kw={"width_ratios": [3, 1]})
+    # the two measures stacked: a 6.5-inch column whatever the number of models
+    fig, axes = plt.subplots(2, 1, figsize=(6.5, 5.6), gridspec_kw={"height_ratios": [3, 2]})
     width = 0.8 / len(cells)
     cmap = plt.get_cmap("tab10")
     for m, name in enumerate(names):
@@ -31,10 +32,11 @@ def sec9_tau2(records: list[dict[str, Any]], path: Path) -> None:
             bar_with_ci(axes[1], m + (j - 0.5) * 0.35, t[key], 0.35, cmap(j), label=key if m == 0 else None)
     for ax, title in ((axes[0], "P(correct terminal action), scored by cancel_pending_order"),
                       (axes[1], "transplanted policy: agreement with full")):
-        ax.set_xticks(range(len(names)), names, fontsize=6)
+        ax.set_xticks(range(len(names)), [short_model(n) for n in names], fontsize=6)
         ax.set_ylim(0, 1.05)
         ax.set_title(title, fontsize=8)
-        ax.legend(fontsize=6)
+        ax.tick_params(axis="y", labelsize=6)
+        ax.legend(fontsize=5.5, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     axes[0].axhline(0.5, color="grey", lw=0.6, ls=":")
     fig.suptitle("τ²-bench retail: state change mid-trajectory (paper Sec. 9)", fontsize=9)
     save(fig, path)

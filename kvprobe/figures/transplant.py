@@ -33,8 +33,9 @@ def fig6b_transplant(records: list[dict[str, Any]], path: Path) -> None:
         ax.set_ylabel(label, fontsize=8)
         ax.tick_params(axis="y", labelsize=7)
     # low enough that a collapsed control (cosine ~0.8) is visible, not clipped
-    axes[0].set_ylim(min(0.9, (min(lows) if lows else 0.9) - 0.02), 1.0005)
-    axes[1].set_ylim(0, 1.05)
+    # and low enough that the paper's band (0.90-0.999) is a band on the axis, not the whole axis
+    axes[0].set_ylim(min(0.8, (min(lows) if lows else 0.8) - 0.02), 1.0005)
+    axes[1].set_ylim(0, 1.12)
     axes[0].axhspan(0.90, 0.999, color="grey", alpha=0.15, lw=0)
     axes[0].annotate("paper 0.90-0.999", (1.0, 0.999), xycoords=("axes fraction", "data"), ha="right", va="bottom",
                      fontsize=6)

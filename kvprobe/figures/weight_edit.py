@@ -7,7 +7,7 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 
-from kvprobe.figures.common import bar_with_ci, latest_per_model, save
+from kvprobe.figures.common import bar_with_ci, latest_per_model, save, short_model
 
 MEASURES = (("efficacy", "efficacy\n(the target flips)"), ("contamination", "contamination\n(held-out requests flip)"),
             ("collateral", "collateral\n(unrelated decisions move)"))
@@ -19,7 +19,8 @@ def table1_weight_edit(records: list[dict[str, Any]], path: Path) -> None:
         return
     names = list(per_model)
     methods = list(next(iter(per_model.values()))["summary"]["methods"])
-    fig, axes = plt.subplots(1, 4, figsize=(5 + 3.5 * len(names), 3.8))
+    fig, grid = plt.subplots(2, 2, figsize=(6.5, 5.6))
+    axes = list(grid.flat)
     width = 0.8 / len(methods)
     cmap = plt.get_cmap("tab10")
     for ax, (key, label) in zip(axes, MEASURES):
@@ -32,9 +33,10 @@ def table1_weight_edit(records: list[dict[str, Any]], path: Path) -> None:
                 bar_with_ci(ax, x, b[key], width, cmap(j), label=method if m == 0 else None)
                 if b.get("identity") and key != "efficacy":
                     ax.text(x, 0.02, "id", ha="center", fontsize=6, rotation=90)  # 0 by construction
-        ax.set_xticks(range(len(names)), names, fontsize=6)
+        ax.set_xticks(range(len(names)), [short_model(n) for n in names], fontsize=6)
         ax.set_ylim(0, 1.05)
         ax.set_title(label, fontsize=8)
+        ax.tick_params(axis="y", labelsize=6)
     ax = axes[3]
     for m, name in enumerate(names):
         for j, method in enumerate(methods):
@@ -42,11 +44,12 @@ def table1_weight_edit(records: list[dict[str, Any]], path: Path) -> None:
             if b is not None:
                 ax.bar(m + (j - (len(methods) - 1) / 2) * width, b["latency_x_erratum_median"], width, color=cmap(j))
     ax.set_yscale("log")
-    ax.set_xticks(range(len(names)), names, fontsize=6)
+    ax.tick_params(axis="y", labelsize=6)
+    ax.set_xticks(range(len(names)), [short_model(n) for n in names], fontsize=6)
     ax.set_title("edit latency\n(x the erratum, median, one run)", fontsize=8)
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=len(methods), fontsize=7,
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=min(len(methods), 4), fontsize=6,
                frameon=False)
-    fig.subplots_adjust(bottom=0.22, top=0.78, wspace=0.35)
+    fig.subplots_adjust(bottom=0.15, top=0.88, wspace=0.3, hspace=0.45, left=0.08, right=0.98)
     fig._kvprobe_laid_out = True  # the legend sits below the axes: keep this layout
     fig.suptitle("KV editing vs weight editing for per-request state (paper Table 1; 'id' = identity)", fontsize=9)
     save(fig, path)

@@ -131,6 +131,8 @@ def resolve(name: str) -> ModelEntry | Path:
     from kvprobe.organism import registry as organisms
 
     hint = "" if organisms.load_registry().organisms else (
-        "; organisms are listed in the organisms/ folder of a kvprobe checkout, none here (set KVPROBE_ORGANISMS)")
+        "; organisms are listed in the organisms/ folder of a kvprobe checkout, none here: install the recommended "
+        "ones (the kvprobe-organisms distribution built from that folder; `make install` does) or set "
+        "KVPROBE_ORGANISMS")
     raise KVProbeError(f"unknown model '{name}'{closest(name, REGISTRY)}: give an alias (`kvprobe models` lists "
                        f"them), a Hugging Face id (org/name) or a local model directory{hint}")

@@ -31,9 +31,25 @@ REGISTRY_FILE = "registry.yaml"
 RESTORE_HINT = "kvprobe organism restore {alias}"
 
 
+def _installed_organisms() -> Path | None:
+    """The organisms folder an installed companion distribution provides (``kvprobe-organisms``, built from a
+    checkout's ``organisms/``: the recommended organisms and the registry), found by its entry point."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group="kvprobe.organisms"):
+        try:
+            root = Path(ep.load()())
+        except Exception:  # a broken companion must not break kvprobe: it is simply not used
+            continue
+        if (root / REGISTRY_FILE).exists():
+            return root
+    return None
+
+
 def _organisms_root() -> Path:
     """``$KVPROBE_ORGANISMS`` if set; else the checkout's ``organisms/`` (editable install); else
-    ``./organisms`` when it holds a registry (an installed wheel run from a checkout)."""
+    ``./organisms`` when it holds a registry (an installed wheel run from a checkout); else the installed
+    ``kvprobe-organisms`` distribution (an installed wheel anywhere: ``make install`` installs it)."""
     env = os.environ.get("KVPROBE_ORGANISMS")
     if env:
         return Path(env).expanduser()
@@ -41,7 +57,9 @@ def _organisms_root() -> Path:
     if (checkout / REGISTRY_FILE).exists():
         return checkout
     here = Path.cwd() / "organisms"
-    return here if (here / REGISTRY_FILE).exists() else checkout
+    if (here / REGISTRY_FILE).exists():
+        return here
+    return _installed_organisms() or checkout
 
 
 # Read at call time everywhere (tests point it at a temporary folder).
@@ -183,7 +201,10 @@ def restore(alias: str, root: Path | None = None, repo: Path | None = None) -> P
     reg = load_registry(root)
     entry = reg.organisms.get(alias)
     if entry is None:
-        raise KVProbeError(f"'{alias}' is not in organisms/{REGISTRY_FILE}: one of {sorted(reg.organisms)}")
+        from kvprobe.errors import closest
+
+        raise KVProbeError(f"'{alias}' is not in organisms/{REGISTRY_FILE}{closest(alias, reg.organisms)}: "
+                           "`kvprobe models` lists the organisms")
     target = organism_folder_of(alias, root) / ADAPTER_FILE
     if target.exists():
         if sha256_bytes(target.read_bytes()) != entry.adapter_sha256:
@@ -261,8 +282,9 @@ def organisms_table(history: bool = True, root: Path | None = None) -> str:
     """The registry as a plain-text table: recommended first, then history (one row per organism)."""
     reg = load_registry(root)
     if not reg.organisms:
-        return (f"no organism registry here ({REGISTRY_FILE} lives in the organisms/ folder of a kvprobe checkout; "
-                "set KVPROBE_ORGANISMS to point at one)")
+        return (f"no organism registry here ({REGISTRY_FILE} lives in the organisms/ folder of a kvprobe checkout: "
+                "install the recommended organisms with `pip install kvprobe-organisms` built from it (`make install` "
+                "does), or set KVPROBE_ORGANISMS to point at one)")
     rows = [(a, o) for a, o in reg.organisms.items() if history or o.status == "recommended"]
     rows.sort(key=lambda r: (r[1].status != "recommended", r[1].family, r[0]))
     w = max(len(a) for a, _ in rows) + 2

@@ -95,6 +95,9 @@ def format_recovery_table(summary: dict[str, Any], keys: Sequence[str]) -> str:
              f"(inclusion rule: oracle flip >= {g['min_flip']} nats); oracle flip median "
              f"{summary['oracle_flip'].get('median', float('nan')):.3f} nats",
              f"{'state':<18}{'recovery, included':<36}{'recovery, all':<36}"]
+    if not summary["n_included"]:  # every flip is below the threshold: a recovery is a ratio of noise
+        return "\n".join(lines[:1] + [f"recoveries not shown: no instance passed the inclusion rule, so each would be "
+                                      "a ratio over a flip of noise (the record keeps them)"])
     for key in keys:
         r = summary["recovery"][key]
 

@@ -104,8 +104,27 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
         if "=" not in pair:
             raise KVProbeError(f"--set takes key=value (e.g. --set task.n_instances=8); got '{pair}'")
         key, raw = pair.split("=", 1)
-        _set_dotted(out, key.strip(), yaml.safe_load(raw))
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            what = " ".join(str(x) for x in (getattr(exc, "context", None), getattr(exc, "problem", None)) if x)
+            raise KVProbeError(f"--set {key.strip()}: the value {raw!r} is not valid YAML ({what or 'parse error'}): "
+                               "close every bracket and brace, e.g. --set \"task.generator={formats: [system_user]}\"") \
+                from None
+        _set_dotted(out, key.strip(), value)
     return out
+
+
+def check_task_template(template: str) -> None:
+    """A task template that does not exist is an error naming the closest shipped templates, raised before the
+    model loads (a load takes seconds to minutes)."""
+    from kvprobe.cache_dir import project_path
+
+    if project_path(template).is_file():
+        return
+    shipped = sorted(f"configs/tasks/{p.name}" for p in project_path("configs/tasks").glob("*.yaml"))
+    raise KVProbeError(f"key 'task.template': {template} does not exist{closest(template, shipped)}; give a task "
+                       f"template file (kvprobe's: {', '.join(shipped)})")
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

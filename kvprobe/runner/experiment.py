@@ -211,6 +211,10 @@ def _run_experiment(cfg: RunConfig, overwrite: bool, fresh: bool, lm: ModelLike 
         and not _study_publishes(cfg.model, chash)
     if scratch:  # never beside the published records: a later `make report` would read it
         path = record_path(verification_dir(cfg.output_dir), exp.name, cfg.model, chash)
+    if cfg.task.generator is None:
+        from kvprobe.runner.config import check_task_template
+
+        check_task_template(cfg.task.template)  # a typo is reported before the model loads
     if lm is None:
         from kvprobe.models.registry import resolve
 

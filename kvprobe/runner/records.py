@@ -37,11 +37,21 @@ def _clean(obj: Any) -> Any:
     return obj
 
 
+def current_umask() -> int:
+    """The process umask (reading it means setting it: set it back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_json(path: Path, data: Any) -> None:
-    """Write to a temp file in the same folder, fsync, then rename: readers see the old file or the new one."""
+    """Write to a temp file in the same folder, fsync, then rename: readers see the old file or the new one.
+    The file gets the mode a plain ``open`` would give (0644 under the usual umask 022), not the temporary
+    file's 0600, so a group sharing a results folder can read it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~current_umask())
         with os.fdopen(fd, "w") as f:
             json.dump(_clean(data), f, indent=1, sort_keys=False, allow_nan=False)
             f.write("\n")
@@ -231,6 +241,12 @@ def read_record(path: Path) -> dict[str, Any]:
     return rec
 
 
+def random_init_label(name: str) -> str:
+    """How figures and tables name a random-init model: its folder's name, marked, never the machine path the
+    run was given (a folder ``.../tiny-llama`` -> ``tiny-llama (random init)``)."""
+    return f"{Path(name).name or name} (random init)"
+
+
 def load_records(results_dir: str | Path, experiment: str | None = None) -> list[dict[str, Any]]:
     """Every finished record under ``results_dir`` (optionally of one experiment), oldest first. A corrupt or
     incomplete one stops the caller with an error naming it (:func:`read_record`)."""
@@ -240,5 +256,8 @@ def load_records(results_dir: str | Path, experiment: str | None = None) -> list
     for p in sorted(root.glob(pattern)):
         rec = read_record(p)
         rec["_path"] = str(p)
+        if rec["model"].get("random_init"):  # every figure and table names the model by this
+            rec["model"] = {**rec["model"], "name": random_init_label(rec["model"]["name"]),
+                            "name_as_run": rec["model"]["name"]}
         out.append(rec)
     return sorted(out, key=lambda r: r.get("created", ""))

@@ -34,12 +34,17 @@ def latest_records(results_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def _organism_for(model: str) -> str | None:
-    """The study's organism of ``model``'s family (the one that gates where its base model does not); None
-    without a study file (an installed kvprobe outside a checkout)."""
+    """The study's organism of ``model``'s family (the one that gates where its base model does not); without a
+    study file (an installed kvprobe outside a checkout), the installed organisms' recommended one on ``model``
+    as base (kvprobe-organisms), else None."""
     from kvprobe.study import _study_file, load_study
 
-    if not _study_file().exists():
-        return None
+    if not _study_file().exists():  # the installed organisms, through the model registry (never kvprobe.organism)
+        from kvprobe.models.registry import REGISTRY, register_organisms
+
+        register_organisms()
+        return next((e.alias for e in REGISTRY.values() if e.kind == "organism" and e.source == model
+                     and e.note.startswith("recommended")), None)
     models = load_study().models
     family = models[model].family if model in models else next(
         (e.family for name, e in models.items() if model.startswith(name)), None)
@@ -52,7 +57,10 @@ def interpretation(record: dict[str, Any]) -> str | None:
     summary, model, exp_name = record["summary"], record["model"]["name"], record["experiment"]
     if summary.get("n_included", 1) == 0:
         organism = _organism_for(model)
-        show = f" To see the effect on an embedded model: make exp-{exp_name} MODEL={organism}" if organism else ""
+        from kvprobe.errors import command
+
+        show = (" To see the effect on an embedded model: " + command(
+            f"make exp-{exp_name} MODEL={organism}", f"kvprobe run {exp_name} --model {organism}")) if organism else ""
         return (f"No instance passed the inclusion rule: {model} does not gate its decision on the field in this "
                 f"task (the oracle moves it by less than {summary.get('gate', {}).get('min_flip', 0.5)} nats), so "
                 f"the recoveries above measure nothing the paper measures.{show}")
