@@ -990,20 +990,22 @@ def summary_counts(rows: Sequence[dict[str, Any]]) -> dict[str, int]:
 def _cmd_claims(args: Any) -> int:
     from kvprobe.errors import KVProbeError
 
-    path, rows = write_claims(args.results, args.out)
-    if not rows:
+    rows = load_claims(args.results)
+    if not rows:  # evaluated before anything is written: a failing call leaves no claims.json
         raise KVProbeError(f"no records with declared claims under {args.results}/ (run an experiment first)")
-    print(markdown(rows))
-    print()
+    path = Path(args.out) if args.out else Path(args.results) / "claims.json"
+    _write_document(path, claims_document(rows))
+    if args.table:
+        print(markdown(rows) + "\n")
     for h in headline(rows).values():
-        print(h["text"] + " (" + ", ".join(f"{k}: {v}" for k, v in h["verdicts"].items()) + ")")
+        print(h["text"])
     for key, s in lineage_summary(rows).items():
         print(f"{key}: reproduced in {s['independent_lineages']} independent lineage(s): {s['reading']}")
     print("\n" + ", ".join(f"{k}: {v}" for k, v in summary_counts(rows).items()))
-    print(f"claims: {path}")
+    print(f"claims: {path}" + ("" if args.table else " (every row with its test: --table, or the pages under "
+                                                     "docs/results/)"))
     if args.figure:
         from kvprobe.figures import claims as claims_figure  # noqa: F401  (sets the Agg backend first)
-        from kvprobe.runner.records import load_records
 
         figure = Path(args.figure)
         figure.parent.mkdir(parents=True, exist_ok=True)
@@ -1018,4 +1020,5 @@ def register(sub: Any) -> None:
     p.add_argument("--results", default="results")
     p.add_argument("--out", help="where the claims JSON goes (default: <results>/claims.json)")
     p.add_argument("--figure", default="figures/claims_forest.png", help="claims figure path ('' for none)")
+    p.add_argument("--table", action="store_true", help="also print every row with its test, p, q and verdict")
     p.set_defaults(func=_cmd_claims)

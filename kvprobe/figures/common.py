@@ -7,6 +7,8 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 
+from kvprobe.probes.summary import MIN_CI_CLUSTERS
+
 
 GATED_TEMPLATE = "configs/tasks/gated.yaml"
 
@@ -87,9 +89,11 @@ def bar_with_ci(ax, x: float, stat: dict[str, Any], width: float, color: str, la
     mean = stat.get("mean")
     if mean is None:
         return
-    # no interval (one instance or one scenario: ci None) draws no whisker
-    lo = mean if stat.get("ci_low") is None else stat["ci_low"]
-    hi = mean if stat.get("ci_high") is None else stat["ci_high"]
+    # no interval (one instance or one scenario: ci None; or fewer than 5 scenario clusters, kvprobe's rule for
+    # printing one) draws no whisker
+    few = stat.get("n_clusters") is not None and stat["n_clusters"] < MIN_CI_CLUSTERS
+    lo = mean if stat.get("ci_low") is None or few else stat["ci_low"]
+    hi = mean if stat.get("ci_high") is None or few else stat["ci_high"]
     ax.bar(x, mean, width=width, color=color, label=label, hatch=hatch)
     ax.errorbar(x, mean, yerr=[[mean - lo], [hi - mean]], fmt="none", ecolor="black", capsize=2, lw=0.8)
 

@@ -4,7 +4,7 @@ One row per model (the cells of all its ``locality_distance`` records, newest fi
 rate under the record's gate, and field-only recovery (mean over included instances, cluster-bootstrap CI)
 against the measured field-to-decision distance, one line per format. A cell with no included instance has
 no recovery point (a ratio over sub-threshold flips is noise); the paper's single point (Llama-3.1-8B,
-field-only -0.028 at 544+ tokens) is drawn for reference.
+field-only at ~725 tokens, from the paper registry) is drawn for reference.
 
 The cross-size view (``fig3a_locality_sizes``): the grid of ``configs/locality_sizes.yaml`` on the pretrained
 sizes, field-only recovery against model size with the rule before vs after the field, beside the paper's 8B
@@ -19,8 +19,15 @@ from typing import Any
 import matplotlib.pyplot as plt
 
 from kvprobe.figures.common import short_model
+from kvprobe.paper import paper_value
+from kvprobe.probes.summary import MIN_CI_CLUSTERS
 
-PAPER_POINT = (544, -0.028)
+
+
+def _paper_point() -> tuple[float, float]:
+    """The paper's locality point (Llama-3.1-8B): field-to-decision distance in tokens, field-only recovery."""
+    point = paper_value("figure.fig3a_locality_distance.paper_point").curve
+    return point["distance"], point["field_only"]
 MARKERS = {"system_user": "o", "user_turn": "s", "document_qa": "^", "few_shot": "D", "tool_call": "v",
            "gated_template": "X", "email": "P"}
 
@@ -62,7 +69,8 @@ def fig_locality_distance(records: list[dict[str, Any]], path: Path) -> None:
             if rec_pts:
                 row[2].plot([x for x, _ in rec_pts], [s["mean"] for _, s in rec_pts], **kw)
                 for x, s in rec_pts:
-                    if s.get("ci_low") is not None and s.get("ci_high") is not None:
+                    if s.get("ci_low") is not None and s.get("ci_high") is not None and \
+                            (s.get("n_clusters") or MIN_CI_CLUSTERS) >= MIN_CI_CLUSTERS:  # none from < 5 clusters
                         row[2].vlines(x, s["ci_low"], s["ci_high"], color=colors[fmt], lw=0.8)
         gate = entry["gate"]
         row[0].axhline(gate, color="black", lw=0.6, ls=":")
@@ -72,7 +80,7 @@ def fig_locality_distance(records: list[dict[str, Any]], path: Path) -> None:
         row[2].set_ylabel("field-only recovery", fontsize=7)
         row[2].axhline(0, color="black", lw=0.6)
         row[2].axhline(1, color="black", lw=0.4, ls=":")
-        row[2].plot(*PAPER_POINT, marker="*", color="black", ms=9, ls="none", label="paper (Llama-3.1-8B)")
+        row[2].plot(*_paper_point(), marker="*", color="black", ms=9, ls="none", label="paper (Llama-3.1-8B)")
         for ax in row:
             ax.set_xscale("log")
             ax.set_xlim(30, 3000)  # the whole swept range on every panel
@@ -100,7 +108,7 @@ DISTANCE_FIGURES = {"fig3a_locality_distance": ("locality_distance", fig_localit
 
 # The paper's field-only value on its headline model (Sec. 3 (1)): Llama-3.1-8B, its template (the rule in the
 # policy after the session context that holds the field), the field ~725 tokens before the decision.
-PAPER_8B = (8.0, -0.028)
+LLAMA_8B_PARAMS_B = 8.0  # where the paper's Llama-3.1-8B point sits on the size axis
 RULE_STYLE = {"before field": ("tab:blue", "-"), "after field": ("tab:orange", "--")}
 
 
@@ -134,12 +142,13 @@ def fig_locality_sizes(records: list[dict[str, Any]], path: Path) -> None:
                          **kw)
             for x, cell in pts:
                 s = cell["recovery"]["field_only"]["gated"]
-                if s.get("ci_low") is not None and s.get("ci_high") is not None:
+                if s.get("ci_low") is not None and s.get("ci_high") is not None and \
+                        (s.get("n_clusters") or MIN_CI_CLUSTERS) >= MIN_CI_CLUSTERS:  # no interval from < 5 clusters
                     top.vlines(x, s["ci_low"], s["ci_high"], color=color, lw=0.9)
                 top.annotate(f"{cell['n_included']}/{cell['n']}", (x, s["mean"]), textcoords="offset points",
                              xytext=(4, 3 if rule == "before field" else -9), fontsize=6, color=color)
-        top.plot(*PAPER_8B, marker="*", color="black", ms=10, ls="none",
-                 label="paper: Llama-3.1-8B, rule after field, ~725 tok")
+        top.plot(LLAMA_8B_PARAMS_B, _paper_point()[1], marker="*", color="black", ms=10, ls="none",
+                 label=f"paper: Llama-3.1-8B, rule after field, ~{_paper_point()[0]:.0f} tok")
         top.axhline(0, color="black", lw=0.6)
         top.axhline(1, color="black", lw=0.4, ls=":")
         measured = [c["cell"]["distance_tokens_mean"] for c in cells if c["distance"] == dist]

@@ -13,6 +13,7 @@ from typing import Any
 import matplotlib.pyplot as plt
 
 from kvprobe.figures.common import bar_with_ci, legend_below, save, short_model, tagged, task_label, task_template
+from kvprobe.paper import paper_value
 
 STATES = ("stale", "field_only", "full_downstream", "oracle")
 COLORS = {"stale": "#9e9e9e", "field_only": "#e07b39", "full_downstream": "#3a78b5", "oracle": "#2e7d32"}
@@ -26,7 +27,6 @@ YLIM = (-0.5, 1.5)
 RULE_SOURCES = {"rule_position": 0, "sizes": 1, "sizes_150": 2}
 RULE_AFTER_TEMPLATES = ("gated", "polarity", "polarity_wide")
 POSITIONS = {"before_field": ("rule before the field", "#3a78b5"), "after_field": ("rule after the field", "#e07b39")}
-PAPER_FIELD_ONLY = -0.028
 MAX_PER_PANEL = 4
 
 
@@ -139,8 +139,9 @@ def fig3a_locality(records: list[dict[str, Any]], path: Path) -> None:
         ax.set_xlim(-0.6, len(models) - 0.4)
         ax.axhline(0, color="black", lw=0.6)
         ax.axhline(1, color="black", lw=0.4, ls=":")
-        ax.axhline(PAPER_FIELD_ONLY, color="black", lw=0.8, ls="--",
-                   label="paper, rule after the field: -0.028 (Llama-3.1-8B)" if ax is axes[0][0] else None)
+        paper = paper_value("locality.field_only_zero")
+        ax.axhline(paper.single, color="black", lw=0.8, ls="--",
+                   label=f"paper, rule after the field: {paper.shown()} (Llama-3.1-8B)" if ax is axes[0][0] else None)
         ax.set_title(title, fontsize=8)
         ax.tick_params(axis="y", labelsize=7)
     axes[0][0].set_ylim(-0.2, 1.15)
