@@ -80,6 +80,10 @@ def fig_memory(records: list[dict[str, Any]], path: Path) -> None:
               for stat in rec["summary"]["edit"].get("oracle_accuracy", {}).values()]
     if oracle and all(covers_chance(stat) for stat in oracle):
         mark_at_chance(axes[3], "full-recompute accuracy\nholds 0.5 in every model")
+    # E2's agreement is vacuous where full recompute decides at chance (a constant answer agrees with itself)
+    full = [rec["summary"].get("full_accuracy") for rec in per_model.values()]
+    if full and all(isinstance(f, dict) and covers_chance(f) for f in full):
+        mark_at_chance(axes[1], "full-recompute accuracy\nholds 0.5 in every model:\nagreement says nothing")
     for ax in axes:  # below each panel, never over the bars
         ax.tick_params(labelsize=6)
         ax.legend(fontsize=5, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
