@@ -28,7 +28,7 @@ import torch
 
 from kvprobe.backends.llamacpp import LlamaCppEngine
 from kvprobe.kv.engine_oracle import (ENGINE_BATCH, NOISE_BATCHES, OPERATIONS, OPS, VARIANTS, EffectCheck,
-                                      compare_instance, edit_effect, judge)
+                                      compare_instance, edit_effect, engine_check, judge)
 from kvprobe.models.gguf_export import export_organism_gguf
 from kvprobe.models.loading import gguf_path, load_model
 from kvprobe.runner.bench import BenchOutput
@@ -82,9 +82,11 @@ def main() -> None:
     out.print("(* judged)")
     verdicts = [judge(rows, op, v, check) for op in OPS for v in VARIANTS]
     for v in verdicts:
-        expect = "pass" if v["variant"] == "correct" else "fail"
-        out.print(f"  {v['op']:<14}{v['variant']:<9}{v['verdict'].upper():<6}({v['passed']}/{v['judged']} judged "
-                  f"instances within tolerance; must {expect})")
+        out.print(f"  {v['op']:<14}{v['variant']:<9}{v['verdict'].upper():<11}({v['passed']}/{v['judged']} judged "
+                  f"instances within tolerance)")
+    overall = {v: engine_check(rows, v, OPS, check) for v in VARIANTS}
+    out.print("engine check (every edit with judged instances): " + ", ".join(
+        f"{v} {overall[v].upper()} (must {'pass' if v == 'correct' else 'fail'})" for v in VARIANTS))
     ops_rows = []
     if args.operations:
         with LlamaCppEngine(gguf_path(args.model), n_threads=args.threads) as eng:
@@ -98,7 +100,8 @@ def main() -> None:
                       f"{sum(o['agree_vs_hf'] for o in ops):>9} / {len(ops)}{min(o['cos_vs_self'] for o in ops):>17.4f}")
     js, txt = out.write({"gguf": f32.name, "batch": ENGINE_BATCH, "noise_batches": list(NOISE_BATCHES),
                          "check": check.__dict__, "n_filler": args.n_filler, "seed": args.seed,
-                         "threads": args.threads, "rows": rows, "verdicts": verdicts, "operations": ops_rows},
+                         "threads": args.threads, "rows": rows, "verdicts": verdicts, "engine_check": overall,
+                         "operations": ops_rows},
                         args.out_dir)
     print(f"wrote {js} and {txt}")
 

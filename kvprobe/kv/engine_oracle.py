@@ -242,5 +242,18 @@ def judge(rows: Sequence[dict[str, Any]], op: str, variant: str = "correct",
     """The check's verdict for one edit and variant over instances from :func:`edit_effect`."""
     judged = [r for r in rows if check.judged(r["hf_effect"][op], r["noise"])]
     ok = [r for r in judged if check.passes(r["hf_effect"][op], r["engine_effect"][op][variant], r["noise"])]
+    if len(judged) < check.min_judged:
+        verdict = "not judged"
+    else:
+        verdict = "pass" if len(ok) == len(judged) else "fail"
     return {"op": op, "variant": variant, "judged": len(judged), "passed": len(ok), "n": len(rows),
-            "verdict": "pass" if len(judged) >= check.min_judged and len(ok) == len(judged) else "fail"}
+            "verdict": verdict}
+
+
+def engine_check(rows: Sequence[dict[str, Any]], variant: str = "correct", ops: Sequence[str] = OPS,
+                 check: EffectCheck = EffectCheck()) -> str:
+    """``pass`` when the edit variant passes on every edit that has judged instances (and at least one has),
+    else ``fail``: the engine check's verdict for the correct edit or a mutant."""
+    verdicts = [judge(rows, op, variant, check)["verdict"] for op in ops]
+    judged = [v for v in verdicts if v != "not judged"]
+    return "pass" if judged and all(v == "pass" for v in judged) else "fail"
