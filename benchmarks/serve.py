@@ -47,6 +47,7 @@ from collections.abc import Iterator
 
 from kvprobe.backends.client import KvprobeTarget, LlamaServerTarget, OpenAITarget, Target, run_cell
 from kvprobe.envs.tau2_retail import policy
+from kvprobe.errors import KVProbeError
 from kvprobe.models.loading import load_model
 from kvprobe.runner.bench import BenchOutput
 
@@ -122,7 +123,14 @@ def llama_server(model: str, ctx_per_slot: int, args: argparse.Namespace) -> Ite
 
 
 def warm(target: Target, prompt: list[int], n_slots: int) -> None:
-    """Every slot holds the unchanged prompt (sent to all slots at once, so each idle slot takes one)."""
+    """Every slot holds the unchanged prompt: llama-server's slots one by one, pinned by ``id_slot`` (checked
+    against the slot that answered); other servers by ``n_slots`` requests sent at once."""
+    if isinstance(target, LlamaServerTarget):
+        for s in range(n_slots):
+            got = target.send(prompt, 1, slot=s).slot
+            if got != s:
+                raise KVProbeError(f"llama-server answered the warm request for slot {s} from slot {got}")
+        return
     errors: list[BaseException] = []
 
     def one() -> None:

@@ -174,9 +174,9 @@ def test_bench_serve_reads_hit_rates_from_llama_servers_own_counters(tmp_path):
         assert c["reused_tokens"] + c["evaluated_tokens"] == c["prompt_tokens"]
         assert c["metrics"]["reused_tokens"] == c["reused_tokens"]  # /metrics counts what the responses said
         assert c["metrics"]["queried_tokens"] == c["prompt_tokens"]
-    # which slot takes a request is the server's choice (86-91% seen for the erratum here; a request landing on a
-    # slot without the warm prompt reuses less): a clear separation is asserted, not a value
-    assert all(cells[("erratum", r)]["hit_rate"] > 0.6 for r in (50.0, None))
+    # every slot was warmed (pinned by id_slot); which slot then takes a request is the server's choice
+    assert all(cells[("erratum", r)]["hit_rate"] > 0.8 for r in (50.0, None)), [
+        (k, c["hit_rate"], c.get("slots_used")) for k, c in cells.items()]
     assert all(cells[("in_prefix_edit", r)]["hit_rate"] < 0.1 for r in (50.0, None))
 
 

@@ -120,9 +120,12 @@ class LlamaServerTarget:
         self.host, self.port, self.timeout = _loopback(host), port, timeout
         self.label = label or f"llama-server at http://{host}:{port}"
 
-    def send(self, tokens: list[int], max_tokens: int) -> Reply:
+    def send(self, tokens: list[int], max_tokens: int, slot: int | None = None) -> Reply:
+        """One streamed request; ``slot`` pins it to that server slot (``id_slot``), else the server picks."""
         body = {"prompt": tokens, "n_predict": max_tokens, "cache_prompt": True, "stream": True,
                 "temperature": 0.0, "top_k": 1, "ignore_eos": True}
+        if slot is not None:
+            body["id_slot"] = int(slot)
         t0 = time.perf_counter()
         stamps, final = [], None
         for t, line in _stream(self.host, self.port, "/completion", body, self.timeout):
