@@ -245,3 +245,27 @@ def test_bench_ttft_runs_both_backends_and_the_store_tiers(tmp_path):
         assert r["hf_full_s"] > 0 and r["engine_full_s"] > 0
     assert set(rec["growth_exponent"]) >= {"hf_full_s", "hf_warm_s", "hf_cold_s", "engine_full_s",
                                            "engine_transplant_s"}
+
+
+def test_organism_gguf_holds_the_merged_weights(ids):
+    """gguf_path(organism): the base GGUF with the peft-merged tensors written in (the server's flavour), built
+    into the kvprobe cache; llama.cpp on it answers as the HF organism does (same argmax, cosine >= 0.999), and
+    the organism's file is not the base's."""
+    import torch
+
+    from kvprobe.backends.llamacpp import LlamaCppEngine
+    from kvprobe.cache_dir import cache_root
+    from kvprobe.models.loading import gguf_path, load_model
+
+    path = gguf_path(ORGANISM)
+    assert path.is_relative_to(cache_root()) and path != gguf_path("smollm2-135m")
+    lm = load_model(ORGANISM)
+    with torch.no_grad():
+        hf = lm.model(torch.tensor([ids])).logits[0, -1].double().numpy()
+    with LlamaCppEngine(path, n_ctx=256, n_threads=1) as eng:
+        le = eng.full_reprefill(ids).logits.astype(np.float64)
+    with LlamaCppEngine(gguf_path("smollm2-135m"), n_ctx=256, n_threads=1) as eng:
+        base = eng.full_reprefill(ids).logits.astype(np.float64)
+    cos = float(le @ hf / np.linalg.norm(le) / np.linalg.norm(hf))
+    assert cos >= 0.999 and le.argmax() == hf.argmax()
+    assert np.abs(le - base).max() > 0.1  # the adapter is in the file
