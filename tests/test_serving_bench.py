@@ -1,5 +1,6 @@
 """The serving benchmark's client, record and figure, without an engine: a mock OpenAI-compatible server (what
-vLLM exposes) with Prometheus counters, and a synthetic record drawn by the Fig. 14a function."""
+vLLM exposes) with Prometheus counters, a mock of llama-server's streamed /completion and /metrics, the
+binary's checksum gate, and a synthetic record drawn by the Fig. 14a function."""
 
 import json
 import threading
@@ -7,7 +8,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from kvprobe.backends.client import OpenAITarget, prometheus_cache_counters, run_cell
+from kvprobe.backends.client import (LlamaServerTarget, OpenAITarget, llamacpp_cache_counters,
+                                     prometheus_cache_counters, run_cell)
 from kvprobe.errors import KVProbeError
 
 METRICS = """# HELP vllm:prefix_cache_queries Prefix cache queries, in terms of number of queried tokens.
@@ -88,6 +90,103 @@ def test_client_reads_the_hit_rate_from_the_servers_metrics(mock_vllm):
     # a prompt that differs from the first token on gets no hit: the rate follows the server, not the client
     cold = run_cell(target, [[5000 + i] + base for i in range(2)], 100.0, 2, 60.0, seed=1)
     assert cold["hit_rate"] == 0.0
+
+
+LLAMACPP_METRICS = """# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total {evaluated}
+llamacpp:prompt_tokens_cached_total {cached}
+llamacpp:tokens_predicted_total 9
+llamacpp:requests_processing 0
+"""
+
+
+@pytest.fixture
+def mock_llama_server():
+    """llama-server's /completion stream (data: lines, a final stop message with timings) and /metrics; its
+    cache: the prompt prefix shared with the previous request (what one slot with cache_prompt keeps)."""
+    state = {"cached": 0, "evaluated": 0, "last": []}
+    lock = threading.Lock()
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            return None
+
+        def do_GET(self):  # noqa: N802
+            with lock:
+                body = LLAMACPP_METRICS.format(**state).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):  # noqa: N802
+            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            assert self.path == "/completion" and req["stream"] and req["cache_prompt"] is True
+            prompt = req["prompt"]
+            with lock:
+                shared = 0
+                for a, b in zip(state["last"], prompt):
+                    if a != b:
+                        break
+                    shared += 1
+                shared = min(shared, len(prompt) - 1)
+                state["cached"] += shared
+                state["evaluated"] += len(prompt) - shared
+                state["last"] = prompt
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for i in range(req["n_predict"]):
+                self.wfile.write(b"data: " + json.dumps({"content": f"t{i}", "stop": False}).encode() + b"\n\n")
+                self.wfile.flush()
+            final = {"content": "", "stop": True, "id_slot": 0,
+                     "timings": {"cache_n": shared, "prompt_n": len(prompt) - shared}}
+            self.wfile.write(b"data: " + json.dumps(final).encode() + b"\n\n")
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+def test_llamacpp_metrics_are_read_by_name():
+    assert llamacpp_cache_counters(LLAMACPP_METRICS.format(evaluated=30, cached=70)) == (70.0, 100.0)
+    assert llamacpp_cache_counters("llamacpp:requests_processing 0\n") is None
+
+
+def test_llama_server_target_takes_the_servers_counts_per_response_and_from_metrics(mock_llama_server):
+    target = LlamaServerTarget(mock_llama_server)
+    base = list(range(100))
+    target.send(base, 1)  # warm
+    cell = run_cell(target, [base + [1000 + i] for i in range(3)], None, 2, 60.0, seed=0)
+    assert cell["done"] == 3 and cell["hit_source"].startswith("llama-server timings")
+    assert cell["reused_tokens"] + cell["evaluated_tokens"] == cell["prompt_tokens"] == 303
+    assert cell["metrics"]["reused_tokens"] == cell["reused_tokens"]
+    assert cell["metrics"]["queried_tokens"] == 303 and cell["slots_used"] == [0]
+
+
+def test_llama_server_binary_is_refused_unless_its_checksum_is_listed(tmp_path, monkeypatch):
+    import hashlib
+
+    from kvprobe.backends.llama_server import ENV_BINARY, locate_llama_server
+
+    monkeypatch.delenv(ENV_BINARY, raising=False)
+    with pytest.raises(KVProbeError, match="make llama-server"):
+        locate_llama_server(tmp_path / "llama-server")
+    binary = tmp_path / "llama-server"
+    binary.write_bytes(b"#!/bin/sh\n")
+    binary.chmod(0o755)
+    with pytest.raises(KVProbeError, match="no SHA256SUMS"):
+        locate_llama_server(binary)
+    (tmp_path / "SHA256SUMS").write_text("0" * 64 + "  llama-server\n")
+    with pytest.raises(KVProbeError, match="changed"):
+        locate_llama_server(binary)
+    digest = hashlib.sha256(binary.read_bytes()).hexdigest()
+    (tmp_path / "SHA256SUMS").write_text(f"{digest}  llama-server\n")
+    monkeypatch.setenv(ENV_BINARY, str(binary))
+    assert locate_llama_server().sha256 == digest
 
 
 def test_client_refuses_anything_but_loopback():

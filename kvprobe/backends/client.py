@@ -1,9 +1,16 @@
 """A load client for the serving benchmark: Poisson arrivals at an offered rate, or all at once.
 
-Two kinds of server on the loopback interface, behind one client:
+Three kinds of server on the loopback interface, behind one client:
 
-- ``KvprobeTarget``: ``kvprobe.backends.server`` (llama.cpp). Each request's last line carries the engine's own
-  reused-token count (from llama.cpp's perf counters).
+- ``LlamaServerTarget``: llama.cpp's own ``llama-server`` (a separate process, :mod:`kvprobe.backends.llama_server`)
+  with its slots and prompt cache. Each response's ``timings`` give the prompt tokens the server took from its
+  cache (``cache_n``) and those it evaluated (``prompt_n``); its Prometheus ``/metrics`` give the same as
+  cumulative counters (``llamacpp:prompt_tokens_cached_total``, ``llamacpp:prompt_tokens_total``), differenced
+  around each cell. Both are the server's own numbers.
+- ``KvprobeTarget``: kvprobe's in-process baseline (``kvprobe.backends.server``): a single-entry longest-prefix
+  cache that kvprobe decides, over the llama.cpp low-level API. Its "reused" count is kvprobe's own arithmetic
+  (llama.cpp's eval counter only confirms how many tokens kvprobe then asked it to evaluate): a labelled
+  baseline, not an engine's prefix cache.
 - ``OpenAITarget``: an OpenAI-compatible server such as ``vllm serve`` (``POST /v1/completions``, streamed, the
   prompt given as token ids). Prefix-cache hits are read from its Prometheus ``/metrics``: vLLM's
   ``prefix_cache_hits`` / ``prefix_cache_queries`` token counters, differenced around each cell. A server
@@ -32,6 +39,9 @@ LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 # vLLM's prefix-cache counters (tokens), newest name first; each exported with a ``_total`` suffix
 PROM_HITS = ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits")
 PROM_QUERIES = ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries")
+# llama-server's counters (tokens): prompt tokens taken from a slot's cache, and prompt tokens evaluated
+LLAMACPP_CACHED = "llamacpp:prompt_tokens_cached_total"
+LLAMACPP_EVALUATED = "llamacpp:prompt_tokens_total"
 
 
 @dataclass(frozen=True)
@@ -41,7 +51,9 @@ class Reply:
     tpot: float  # seconds per output token after the first (nan for one token)
     end: float  # perf_counter of the last token
     prompt_tokens: int
-    reused_tokens: int | None  # the engine's own count for this request, when it reports one
+    reused_tokens: int | None  # prompt tokens the server took from its cache for this request, when it says
+    evaluated_tokens: int | None = None  # prompt tokens the server evaluated for this request, when it says
+    slot: int | None = None  # the server slot that answered, when it says
 
 
 class Target(Protocol):
@@ -80,19 +92,72 @@ def _stream(host: str, port: int, path: str, body: dict, timeout: float):
         conn.close()
 
 
-def _reply(t0: float, stamps: list[float], prompt_tokens: int, reused: int | None) -> Reply:
+def _reply(t0: float, stamps: list[float], prompt_tokens: int, reused: int | None,
+           evaluated: int | None = None, slot: int | None = None) -> Reply:
     if not stamps:
         raise KVProbeError("the server streamed no token")
     tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else float("nan")
-    return Reply(t0, stamps[0] - t0, tpot, stamps[-1], prompt_tokens, reused)
+    return Reply(t0, stamps[0] - t0, tpot, stamps[-1], prompt_tokens, reused, evaluated, slot)
+
+
+def _get(host: str, port: int, path: str) -> str:
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.read().decode() if resp.status == 200 else ""
+    finally:
+        conn.close()
+
+
+class LlamaServerTarget:
+    """llama.cpp's ``llama-server`` on loopback: ``POST /completion`` with the prompt as token ids, streamed,
+    greedy, ``cache_prompt`` on; the hit counts are the server's own (``timings`` and ``/metrics``)."""
+
+    hit_source = "llama-server timings.cache_n / timings.prompt_n per response"
+
+    def __init__(self, port: int, host: str = "127.0.0.1", timeout: float = 3600.0, label: str = "") -> None:
+        self.host, self.port, self.timeout = _loopback(host), port, timeout
+        self.label = label or f"llama-server at http://{host}:{port}"
+
+    def send(self, tokens: list[int], max_tokens: int, slot: int | None = None) -> Reply:
+        """One streamed request; ``slot`` pins it to that server slot (``id_slot``), else the server picks."""
+        body = {"prompt": tokens, "n_predict": max_tokens, "cache_prompt": True, "stream": True,
+                "temperature": 0.0, "top_k": 1, "ignore_eos": True}
+        if slot is not None:
+            body["id_slot"] = int(slot)
+        t0 = time.perf_counter()
+        stamps, final = [], None
+        for t, line in _stream(self.host, self.port, "/completion", body, self.timeout):
+            if not line.startswith(b"data:"):
+                continue
+            msg = json.loads(line[5:].strip())
+            if msg.get("stop"):
+                final = msg
+                break
+            stamps.append(t)
+        if final is None or "timings" not in final:
+            raise KVProbeError("llama-server's stream ended without its final message (stop, timings)")
+        tm = final["timings"]
+        cached, evaluated = int(tm["cache_n"]), int(tm["prompt_n"])
+        if cached + evaluated != len(tokens):
+            raise KVProbeError(f"llama-server counted {cached} cached + {evaluated} evaluated prompt tokens for a "
+                               f"{len(tokens)}-token prompt")
+        return _reply(t0, stamps, len(tokens), cached, evaluated, final.get("id_slot"))
+
+    def cache_counters(self) -> tuple[float, float] | None:
+        return llamacpp_cache_counters(_get(self.host, self.port, "/metrics"))
 
 
 class KvprobeTarget:
-    """``kvprobe.backends.server`` on 127.0.0.1."""
+    """kvprobe's in-process baseline server (``kvprobe.backends.server``) on 127.0.0.1: the reuse decision is
+    kvprobe's single-entry longest-prefix cache, not an engine's."""
+
+    hit_source = "baseline: kvprobe's single-entry prefix cache (its decision; llama.cpp's eval counter)"
 
     def __init__(self, port: int, host: str = "127.0.0.1", timeout: float = 3600.0) -> None:
         self.host, self.port, self.timeout = _loopback(host), port, timeout
-        self.label = f"kvprobe.backends.server (llama.cpp) at http://{host}:{port}"
+        self.label = f"kvprobe.backends.server (in-process baseline over llama.cpp) at http://{host}:{port}"
 
     def send(self, tokens: list[int], max_tokens: int) -> Reply:
         t0 = time.perf_counter()
@@ -104,7 +169,8 @@ class KvprobeTarget:
                 stats = msg
                 break
             stamps.append(t)
-        return _reply(t0, stamps, int(stats["prompt_tokens"]), int(stats["engine_reused_tokens"]))
+        return _reply(t0, stamps, int(stats["prompt_tokens"]), int(stats["engine_reused_tokens"]),
+                      int(stats["engine_evaluated_prompt_tokens"]))
 
     def cache_counters(self) -> tuple[float, float] | None:
         return None  # counted per request instead
@@ -112,6 +178,8 @@ class KvprobeTarget:
 
 class OpenAITarget:
     """An OpenAI-compatible completions server on loopback (e.g. ``vllm serve MODEL --enable-prefix-caching``)."""
+
+    hit_source = "server /metrics"
 
     def __init__(self, url: str, model: str, timeout: float = 3600.0) -> None:
         parts = urlsplit(url)
@@ -140,18 +208,10 @@ class OpenAITarget:
         return _reply(t0, stamps, prompt_tokens, None)
 
     def cache_counters(self) -> tuple[float, float] | None:
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=30)
-        try:
-            conn.request("GET", f"{self.base}/metrics")
-            resp = conn.getresponse()
-            text = resp.read().decode() if resp.status == 200 else ""
-        finally:
-            conn.close()
-        return prometheus_cache_counters(text)
+        return prometheus_cache_counters(_get(self.host, self.port, f"{self.base}/metrics"))
 
 
-def prometheus_cache_counters(text: str) -> tuple[float, float] | None:
-    """(hits, queries) summed over label sets from Prometheus text, by the first counter name present."""
+def _prometheus_samples(text: str) -> dict[str, float]:
     samples: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
@@ -162,6 +222,20 @@ def prometheus_cache_counters(text: str) -> tuple[float, float] | None:
             samples[name] = samples.get(name, 0.0) + float(value)
         except ValueError:
             continue
+    return samples
+
+
+def llamacpp_cache_counters(text: str) -> tuple[float, float] | None:
+    """(cached prompt tokens, cached + evaluated prompt tokens) from llama-server's ``/metrics``:
+    ``llamacpp:prompt_tokens_cached_total`` and ``llamacpp:prompt_tokens_total`` (the evaluated ones)."""
+    samples = _prometheus_samples(text)
+    cached, evaluated = samples.get(LLAMACPP_CACHED), samples.get(LLAMACPP_EVALUATED)
+    return None if cached is None or evaluated is None else (cached, cached + evaluated)
+
+
+def prometheus_cache_counters(text: str) -> tuple[float, float] | None:
+    """(hits, queries) summed over label sets from vLLM's Prometheus text, by the first counter name present."""
+    samples = _prometheus_samples(text)
 
     def first(names: tuple[str, ...]) -> float | None:
         for n in names:
@@ -222,15 +296,27 @@ def run_cell(target: Target, prompts: list[list[int]], rate: float | None, max_t
             "tpot": statistics.median(r.tpot for r in done) if done else float("nan"),
             "throughput_rps": len(done) / span if done else 0.0,
             "prompt_tokens": sum(r.prompt_tokens for r in done)}
-    if all(r.reused_tokens is not None for r in results) and results:
-        # per request, from the engine: the completed requests' own counts
+    source = getattr(target, "hit_source", "server")
+    per_request = bool(results) and all(r.reused_tokens is not None for r in results)
+    if per_request:
+        # per request, as the server reported it for each completed request
         reused = sum(r.reused_tokens for r in done)
         cell |= {"reused_tokens": reused, "hit_rate": reused / cell["prompt_tokens"] if done else float("nan"),
-                 "hit_source": "engine per-request counters"}
-    elif before is not None and after is not None and after[1] > before[1]:
+                 "hit_source": source}
+        if all(r.evaluated_tokens is not None for r in done):
+            cell["evaluated_tokens"] = sum(r.evaluated_tokens for r in done)
+        slots = sorted({r.slot for r in done if r.slot is not None})
+        if slots:
+            cell["slots_used"] = slots
+    metrics = None
+    if before is not None and after is not None and after[1] > before[1]:
         # the server's cumulative counters around the cell (every request sent, late ones included)
-        cell |= {"reused_tokens": after[0] - before[0], "queried_tokens": after[1] - before[1],
-                 "hit_rate": (after[0] - before[0]) / (after[1] - before[1]), "hit_source": "server /metrics"}
-    else:
+        metrics = {"reused_tokens": after[0] - before[0], "queried_tokens": after[1] - before[1],
+                   "hit_rate": (after[0] - before[0]) / (after[1] - before[1])}
+    if per_request and metrics is not None:
+        cell["metrics"] = metrics
+    elif metrics is not None:
+        cell |= {**metrics, "hit_source": "server /metrics"}
+    elif not per_request:
         cell |= {"reused_tokens": None, "hit_rate": None, "hit_source": "not reported by the server"}
     return cell

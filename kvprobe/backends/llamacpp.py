@@ -16,6 +16,12 @@ tokenizer of the same GGUF, so the engine and kvprobe's HF oracle see identical 
 Each returns the next-token logits after the prompt and how many tokens it decoded. The KV cache is kept in
 fp32 so the comparison with the fp32 HF oracle measures the operations and the quantised matmuls, not a
 half-precision cache.
+
+Batch sizes change the numbers. llama.cpp's CPU matmuls take another kernel path at 64 tokens per batch and
+above: the same tokens decoded in batches of 64 or more give other logits than in batches below 64 (which all
+equal token-by-token decoding), by up to ~0.9 nats on a 320-token prompt of the Q4_1 model. ``batch_tokens``
+(default ``n_batch``) sets the tokens per ``llama_decode`` call; a comparison between two cache states is only
+clean when both were built with batches on the same side of that switch (``kvprobe.kv.engine_oracle`` uses 32).
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ class LlamaCppEngine:
     CHUNKS = 2  # first sequence for precompiled chunks
 
     def __init__(self, gguf: str | Path, n_ctx: int = 4096, n_seq: int = 4, n_batch: int = 512, n_threads: int = 2,
-                 f32_cache: bool = True) -> None:
+                 f32_cache: bool = True, batch_tokens: int | None = None) -> None:
         if _llama is None:
             raise KVProbeError("llama-cpp-python is not installed: `pip install kvprobe[engine]` (see the Makefile)")
         _llama.llama_backend_init()
@@ -78,6 +84,8 @@ class LlamaCppEngine:
         self.mem = _llama.llama_get_memory(self.ctx)
         self.n_vocab = _llama.llama_vocab_n_tokens(_llama.llama_model_get_vocab(self.model))
         self.n_batch, self.n_ctx, self.n_seq = n_batch, n_ctx, n_seq
+        self.batch_tokens = n_batch
+        self.set_batch_tokens(batch_tokens or n_batch)
         self._batch = _llama.llama_batch_init(n_batch, 0, n_seq)
 
     def close(self) -> None:
@@ -93,14 +101,22 @@ class LlamaCppEngine:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def set_batch_tokens(self, n: int) -> None:
+        """Tokens per ``llama_decode`` call from now on (1..n_batch): which side of the kernel switch at 64
+        tokens per batch every later decode takes (see the module docstring)."""
+        if not 1 <= n <= self.n_batch:
+            raise KVProbeError(f"batch_tokens must lie in [1, n_batch={self.n_batch}]; got {n}")
+        self.batch_tokens = int(n)
+
     # -- primitives -------------------------------------------------------------------------------
     def decode(self, ids: Sequence[int], positions: Sequence[int], seq: int = REQUEST) -> np.ndarray:
         """Decode tokens at explicit positions into ``seq``; returns the logits after the last one."""
         if len(ids) != len(positions) or not ids:
             raise KVProbeError(f"{len(ids)} tokens for {len(positions)} positions")
         b = self._batch
-        for lo in range(0, len(ids), self.n_batch):
-            part = range(lo, min(lo + self.n_batch, len(ids)))
+        step = self.batch_tokens
+        for lo in range(0, len(ids), step):
+            part = range(lo, min(lo + step, len(ids)))
             b.n_tokens = len(part)
             for j, i in enumerate(part):
                 b.token[j], b.pos[j], b.n_seq_id[j] = int(ids[i]), int(positions[i]), 1
@@ -129,9 +145,11 @@ class LlamaCppEngine:
         _llama.llama_memory_clear(self.mem, True)
 
     def perf(self) -> dict[str, float]:
-        """The engine's own counters: prompt tokens evaluated, tokens generated, and cache-reused tokens."""
+        """The engine's own counters: prompt tokens evaluated (``n_p_eval``), single tokens evaluated
+        (``n_eval``), how many times a compute graph was reused (``n_graph_reused``: llama.h's ``n_reused``,
+        which counts graphs, not tokens or cache cells) and the prompt-eval time."""
         d = _llama.llama_perf_context(self.ctx)
-        return {"n_p_eval": d.n_p_eval, "n_eval": d.n_eval, "n_reused": d.n_reused, "t_p_eval_ms": d.t_p_eval_ms}
+        return {"n_p_eval": d.n_p_eval, "n_eval": d.n_eval, "n_graph_reused": d.n_reused, "t_p_eval_ms": d.t_p_eval_ms}
 
     # -- the paper's operations -----------------------------------------------------------------------
     def prefill(self, ids: Sequence[int], seq: int = REQUEST, start: int = 0) -> np.ndarray:
@@ -146,6 +164,11 @@ class LlamaCppEngine:
     def cache_context(self, context: Sequence[int]) -> None:
         """The stale cache a request starts from: ``context`` prefilled in the request sequence."""
         self.prefill(context)
+
+    def read(self, suffix: Sequence[int], start: int) -> np.ndarray:
+        """The logits after ``suffix`` decoded over the request's first ``start`` cached positions; the cache is
+        left as it was."""
+        return self._readout(suffix, start)
 
     def _readout(self, suffix: Sequence[int], start: int) -> np.ndarray:
         """Decode the query suffix after ``start`` cached positions, then drop it (the cache stays as before)."""

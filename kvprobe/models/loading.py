@@ -444,8 +444,14 @@ def weights_available(entry: ModelEntry) -> bool:
 
 def gguf_path(alias: str) -> Path:
     """The GGUF file behind an embedded model alias (the same weights kvprobe's HF loader dequantizes): what
-    the llama.cpp backend (``kvprobe.backends.llamacpp``) loads."""
+    the llama.cpp backend (``kvprobe.backends.llamacpp``) loads. An organism gets its base model's GGUF with the
+    merged adapter written in, built once into the kvprobe cache (:mod:`kvprobe.models.gguf_export`)."""
     entry = resolve(alias)
-    if isinstance(entry, Path) or entry.gguf_file is None or entry.kind == "organism":
-        raise KVProbeError(f"model '{alias}' has no GGUF file of its own; use an embedded GGUF alias (smollm2-135m)")
+    if not isinstance(entry, Path) and entry.kind == "organism":
+        from kvprobe.models.gguf_export import export_organism_gguf
+
+        return export_organism_gguf(alias)
+    if isinstance(entry, Path) or entry.gguf_file is None:
+        raise KVProbeError(f"model '{alias}' has no GGUF file: use an embedded GGUF alias (smollm2-135m, "
+                           "qwen2.5-coder-0.5b, ...) or an organism of one")
     return _gguf_path(entry)
