@@ -81,4 +81,4 @@ def test_panels_at_chance_are_marked(tmp_path, monkeypatch):
     marked: list[str] = []
     monkeypatch.setattr(memory, "mark_at_chance", lambda ax, what: marked.append(ax.get_title()))
     memory.fig_memory([r for r in published(REPO / "results") if r["experiment"] == "memory"], tmp_path / "m.png")
-    assert sorted(t.split()[0] for t in marked) == ["E1", "E3"]
+    assert sorted(t.split()[0] for t in marked) == ["E1", "E2", "E3"]

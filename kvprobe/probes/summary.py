@@ -42,6 +42,8 @@ def headline_stats(summary: dict[str, Any], key: str, labels: dict[str, str], di
     """``label mean [lo, hi]; ...`` for entries of ``summary[key]`` (each a gated/all pair), over the gated
     instances when any passed the gate, else over all of them (then the line says so)."""
     w = which(summary)
+    if w != "gated" and "n_included" in summary:  # a ratio over sub-threshold flips divides noise: none is printed
+        return "none included: no recovery (oracle flips below the gate)"
     cells = [f"{label} {ci_cell(summary[key][k][w], digits)}" for k, label in labels.items() if k in summary[key]]
     return "; ".join(cells) + ("" if w == "gated" else " (all instances: none gated)")
 
