@@ -162,6 +162,19 @@ def _block(ctx: Context, sid: str, number: int) -> tuple[tuple[int, ...], KVStat
     return cache[sid, number]
 
 
+def question_prompt(ctx: Context, sid: str, memory: tuple[int, ...], question: str) -> tuple[list[int], int, int]:
+    """The full-recompute prompt of ``question`` over the sessions ``memory`` of conversation ``sid``: its token
+    ids, and how many lead (system text) and trail (question) tokens surround the memory."""
+    conv = _conversations(ctx)[sid]
+    head, tail = _prompt(ctx.lm, conv, question)
+    return head + [t for s in memory for t in _session_ids(ctx, conv, s)] + tail, len(head), len(tail)
+
+
+def conversations(ctx: Context) -> dict[str, Conversation]:
+    """The LoCoMo conversations of ``params.data`` by sample id (read once per run)."""
+    return _conversations(ctx)
+
+
 def _stop_ids(ctx: Context) -> list[int]:
     """End of turn, and every token that starts a new line: a LoCoMo answer is one short phrase."""
     if "stop_ids" not in ctx.scratch:

@@ -16,8 +16,9 @@ notes; the request is allowed only if every relevant setting is enabled, an AND;
 - E2 transplant: the memory precompiled alone, re-rotated and spliced, with 0 and 1 seam-repair tokens; the
   no-rotation control (keys left at their isolated positions) on the same instances.
 - E4 granularity: the memory cut at line boundaries into S independently precompiled blocks (S from
-  ``blocks``); agreement and cosine against S; instances alternate the relevant facts contiguous / split
-  (``layouts``); the edit cost per S is one block's tokens over the memory's.
+  ``blocks``); agreement and cosine against S; the relevant facts lie contiguous or split (``layouts``),
+  crossed with the label (instance i takes ``layouts[(i // 2) % n]``, the label alternates with i); the edit
+  cost per S is one block's tokens over the memory's.
 - E3 edit: one relevant stored fact toggled (the decision flips) over the spliced (seam 1) cache: stale,
   in_place (the value's tokens recomputed), erratum (a ``[MEMORY UPDATE]`` line appended after the memory,
   the cache reused up to it) and field+erratum, each read directly and after the chain (``modes``);
@@ -64,7 +65,8 @@ class Params(BaseModel):
     seam_repair: list[int] = Field(default_factory=lambda: [0, 1])
     blocks: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16], description="E4: numbers of blocks S")
     layouts: list[str] = Field(default_factory=lambda: ["contiguous", "split"],
-                               description="relevant facts contiguous or split; instance i takes layouts[i % n]")
+                               description="relevant facts contiguous or split, crossed with the label (which "
+                                           "alternates with i): instance i takes layouts[(i // 2) % n]")
     edit: bool = Field(True, description="run E3 (toggle one stored fact)")
     modes: list[str] = Field(default_factory=lambda: ["direct", "chain"],
                              description="E1 and E3: decide directly and/or after a greedy chain")
@@ -112,8 +114,10 @@ class Params(BaseModel):
 
 def make_instances(ctx: Context) -> list[Any]:
     p = ctx.params
-    return [persona_instance(i, ctx.cfg.seed, p.n_lines, n_relevant=p.n_relevant, layout=p.layouts[i % len(p.layouts)])
-            for i in range(ctx.cfg.task.n_instances)]
+    # the label alternates with i (persona_instance): the layout changes every two instances, so each layout
+    # meets both labels (layouts[i % n] would make contiguous always 'allow' and split always 'refuse')
+    return [persona_instance(i, ctx.cfg.seed, p.n_lines, n_relevant=p.n_relevant,
+                             layout=p.layouts[(i // 2) % len(p.layouts)]) for i in range(ctx.cfg.task.n_instances)]
 
 
 def _cuts(starts: list[int], s: int) -> list[int]:
@@ -137,7 +141,7 @@ def _spliced(lm: HookableModel, ids: list[int], starts: list[int], r: int, s: in
     return assemble(lm, [Live(tuple(ids[:m0])), *blocks, Live(tuple(ids[m1:-r]))])
 
 
-def _answer_tokens(ctx: Context, inst: Any, ids: list[int]) -> int:
+def answer_tokens(ctx: Context, inst: Any, ids: list[int]) -> int:
     """How many final prompt tokens the answer prefix takes (the cache ends before them)."""
     tok = ctx.lm.tokenizer
     text, special = render(tok, inst.body(), ctx.lm.has_chat_template)
@@ -170,7 +174,7 @@ def _e1_rows(ctx: Context, inst: Any, known: tuple[list[int], Any]) -> list[dict
             x = persona_instance(inst.index, ctx.cfg.seed, n_lines, n_relevant=p.n_relevant,
                                  layout=inst.meta["layout"], placement=placement)
             ids, starts, prompt, special = render_ids(tok, x, lm.has_chat_template)
-            r = _answer_tokens(ctx, x, ids)
+            r = answer_tokens(ctx, x, ids)
             acts = (x.action, x.other_action)
             tokens = tuple(action_ids(tok, prompt, ids, special, acts))
             state = known[1] if ids == known[0] else prefill(lm, ids[:-r])
@@ -230,7 +234,7 @@ def _edit_row(ctx: Context, inst: Any, ids: list[int], r: int, base: Any, full_o
 def run_instance(ctx: Context, inst: Any) -> dict[str, Any]:
     lm, tok, p = ctx.lm, ctx.lm.tokenizer, ctx.params
     ids, starts, prompt, special = render_ids(tok, inst, lm.has_chat_template)
-    r = _answer_tokens(ctx, inst, ids)
+    r = answer_tokens(ctx, inst, ids)
     right, wrong = action_ids(tok, prompt, ids, special, (inst.action, inst.other_action))
     full_state = prefill(lm, ids[:-r])
     full = read_logits(lm, full_state, ids[-r:])[0]

@@ -23,6 +23,20 @@ def test_persona_generator():
         assert (rel[1] - rel[0] == 1) == (i.meta["layout"] == "contiguous")
 
 
+def test_e4_layout_is_crossed_with_the_label():
+    """E4 compares contiguous with split relevant facts: each layout must meet both labels equally often, or the
+    layout contrast is the label contrast (layouts[i % 2] gave contiguous = allow, split = refuse throughout)."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from kvprobe.experiments.memory import Params, make_instances
+
+    ctx = SimpleNamespace(cfg=SimpleNamespace(seed=0, task=SimpleNamespace(n_instances=8)),
+                          params=Params(n_lines=20))
+    cells = Counter((i.meta["layout"], i.action) for i in make_instances(ctx))
+    assert cells == {(lay, act): 2 for lay in ("contiguous", "split") for act in ("allow", "refuse")}
+
+
 def test_persona_placement_and_length():
     """Early puts the memory before the conversation, late after it; the same user at every length."""
     late, early = persona_instance(3, 0, 20), persona_instance(3, 0, 40, placement="early")

@@ -140,6 +140,21 @@ def twohop_instance(index: int, seed: int, condition: str, n_lines: int = 14, ga
                           {"a": a, "b": b}, {"condition": condition, "value": value})
 
 
+def toggle_twohop(inst: MemoryInstance) -> MemoryInstance:
+    """The same two-hop (or independent-pair) draw with the governing setting's value B flipped: the line at
+    ``marks['b']`` takes the other value and the decision flips; everything else is kept."""
+    from dataclasses import replace
+
+    value = inst.meta["value"]
+    other = VALUES[1 - VALUES.index(value)]
+    b = inst.marks["b"]
+    if inst.lines[b] != f"{inst.scenario}: {value}":
+        raise KVProbeError(f"instance {inst.index}: line {b} is not the governing setting's value")
+    lines = inst.lines[:b] + (f"{inst.scenario}: {other}",) + inst.lines[b + 1:]
+    return replace(inst, lines=lines, action=ACTIONS[other], other_action=ACTIONS[value],
+                   meta={**inst.meta, "value": other})
+
+
 def render_ids(tokenizer: Any, inst: MemoryInstance, chat: bool) -> tuple[list[int], list[int], str, bool]:
     """Token ids of the full prompt (answer prefix included), the token index where each memory line and the
     request begin (a token straddling a line start goes with the line), the prompt text and whether the

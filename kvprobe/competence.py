@@ -1,0 +1,98 @@
+"""Competence verdicts read from the screen's records (``experiments/screen.py``; paper App. H's inclusion gate).
+
+``competence(model, task, mode)`` answers from the record whether full recompute decides ``task`` above chance on
+``model`` in ``mode``: ``(accuracy, ci, varies, competent)``. An agreement claim on a model x task x mode whose
+full recompute is not competent has no verdict: :func:`gate_note` gives the line to print instead ("not
+measurable: below the competence gate ..."). ``competent`` is None where the screen had too few instances or
+clusters for a verdict.
+
+The record read is the one the study publishes for the model (``study.yaml``); without one, the only screen
+record of the model under ``results/screen/``; several unpublished ones are an error naming them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from kvprobe.errors import KVProbeError, closest
+
+SCREEN = "screen"
+
+
+class Competence(NamedTuple):
+    """Full-recompute accuracy over the field's two values, its exact 95% interval, whether the decision
+    follows the field on any instance, and the verdict (None: too few instances or clusters)."""
+
+    accuracy: float
+    ci: tuple[float, float]
+    varies: bool
+    competent: bool | None
+
+
+def _model_name(record: dict[str, Any]) -> str:
+    return str(record.get("model", {}).get("name") or record["config"]["model"])
+
+
+def screen_record(model: str, records: Sequence[dict[str, Any]] | None = None, results_dir: str | Path = "results",
+                  study_path: str | Path | None = None) -> dict[str, Any]:
+    """The screen record of ``model``: among ``records`` if given, else those under ``results_dir``."""
+    from kvprobe.study import is_published
+
+    if records is None:
+        from kvprobe.runner.records import load_records
+
+        records = load_records(results_dir, SCREEN)
+    mine = [r for r in records if r.get("experiment") == SCREEN and _model_name(r) == model]
+    if not mine:
+        raise KVProbeError(f"no screen record for model '{model}'; run `python -m kvprobe run configs/screen.yaml "
+                           f"--model {model}` (and list it in study.yaml to publish it)")
+    published = [r for r in mine if is_published(model, str(r.get("config_hash")), study_path)]
+    if len(published) == 1 or (not published and len(mine) == 1):
+        return (published or mine)[0]
+    hashes = ", ".join(sorted(str(r.get("config_hash")) for r in (published or mine)))
+    raise KVProbeError(f"{len(published or mine)} screen records for model '{model}' ({hashes}) and no single one "
+                       "published: list the screen run of this model in study.yaml, or remove the stale records")
+
+
+def _cell(record: dict[str, Any], task: str, mode: str) -> dict[str, Any]:
+    cells = record["summary"]["cells"]
+    if task not in cells:
+        raise KVProbeError(f"task '{task}'{closest(task, list(cells))} was not screened in this record; screened: "
+                           f"{', '.join(cells)}")
+    if mode not in cells[task]:
+        raise KVProbeError(f"mode '{mode}'{closest(mode, list(cells[task]))} was not screened for '{task}'; "
+                           f"screened: {', '.join(cells[task])}")
+    return cells[task][mode]
+
+
+def competence(model: str, task: str, mode: str = "direct", records: Sequence[dict[str, Any]] | None = None,
+               results_dir: str | Path = "results", gate: float | None = None,
+               study_path: str | Path | None = None) -> Competence:
+    """``(accuracy, ci, varies, competent)`` of ``model`` on ``task`` in ``mode`` from its screen record.
+    ``gate`` replaces the record's gate (the lower bound must still exceed chance)."""
+    c = _cell(screen_record(model, records, results_dir, study_path), task, mode)
+    acc = c["accuracy"]
+    competent = c["competent"]
+    if gate is not None and competent is not None:
+        competent = bool(acc["ci_low"] > c["chance"] and acc["mean"] >= gate)
+    return Competence(float(acc["mean"]), (float(acc["ci_low"]), float(acc["ci_high"])), bool(c["varies"]),
+                      competent)
+
+
+def gate_note(model: str, task: str, mode: str = "direct", records: Sequence[dict[str, Any]] | None = None,
+              results_dir: str | Path = "results", gate: float | None = None,
+              study_path: str | Path | None = None) -> str | None:
+    """None where ``model`` is competent on ``task`` x ``mode``; otherwise why an agreement claim there is not
+    measurable (below the gate, no verdict, or not screened)."""
+    try:
+        c = competence(model, task, mode, records, results_dir, gate, study_path)
+    except KVProbeError as exc:
+        return f"not measurable: competence not screened ({exc})"
+    if c.competent:
+        return None
+    cell = f"full-recompute accuracy {c.accuracy:.2f} [{c.ci[0]:.2f}, {c.ci[1]:.2f}]"
+    if c.competent is None:
+        return f"not measurable: the competence screen has no verdict ({cell}; too few instances or clusters)"
+    return f"not measurable: below the competence gate ({cell}{'' if c.varies else ', one answer whatever the field'})"
