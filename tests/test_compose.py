@@ -61,7 +61,11 @@ def test_transplant_cli_end_to_end(tiny_text_dir, tmp_path):
     from kvprobe.runner.report import report_rows
 
     (row,) = report_rows(tmp_path)
-    assert row[:4] == ["transplant", "gated", rec["model"]["name"], "- / 2"] and "no_rotation cos" in row[5]
+    from pathlib import Path
+
+    # a random-init model is named by its folder and marked, never by a machine path
+    assert row[2] == f"{Path(rec['model']['name']).name} (random init)"
+    assert [row[0], row[1], row[3]] == ["transplant", "gated", "- / 2"] and "no_rotation cos" in row[5]
 
 
 def test_transplant_agreement_by_direction_separates_a_default_action():

@@ -114,7 +114,11 @@ def result_line(record: dict) -> str | None:
     head = f"result: {record['model']['name']}, {summary['n_included']} of {summary['n_instances']} instances included"
     if not summary["n_included"]:
         return f"{head}; no recovery reported{paper}"
-    return f"{head}; {exp.headline(summary)}{paper}"
+    try:
+        headline = exp.headline(summary)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):  # a summary too small for its headline's numbers
+        headline = "too few instances for the headline (the table above has what was measured)"
+    return f"{head}; {headline}{paper}"
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
