@@ -6,7 +6,8 @@ full recompute is not competent has no verdict: :func:`gate_note` gives the line
 measurable: below the competence gate ..."). ``competent`` is None where the screen had too few instances or
 clusters for a verdict.
 
-The record read is the one the study publishes for the model (``study.yaml``); without one, the only screen
+The records read are those the study publishes for the model (``study.yaml``; a model may be screened in parts,
+some tasks or modes per run, and each task x mode must come from one record); without one, the only screen
 record of the model under ``results/screen/``; several unpublished ones are an error naming them.
 """
 
@@ -35,9 +36,11 @@ def _model_name(record: dict[str, Any]) -> str:
     return str(record.get("model", {}).get("name") or record["config"]["model"])
 
 
-def screen_record(model: str, records: Sequence[dict[str, Any]] | None = None, results_dir: str | Path = "results",
-                  study_path: str | Path | None = None) -> dict[str, Any]:
-    """The screen record of ``model``: among ``records`` if given, else those under ``results_dir``."""
+def screen_records(model: str, records: Sequence[dict[str, Any]] | None = None,
+                   results_dir: str | Path = "results", study_path: str | Path | None = None) -> list[dict[str, Any]]:
+    """The screen records of ``model`` the study publishes (a model may be screened in parts: some tasks or
+    modes per run); without a published one, its only screen record. Among ``records`` if given, else those
+    under ``results_dir``."""
     from kvprobe.study import is_published
 
     if records is None:
@@ -49,22 +52,25 @@ def screen_record(model: str, records: Sequence[dict[str, Any]] | None = None, r
         raise KVProbeError(f"no screen record for model '{model}'; run `python -m kvprobe run configs/screen.yaml "
                            f"--model {model}` (and list it in study.yaml to publish it)")
     published = [r for r in mine if is_published(model, str(r.get("config_hash")), study_path)]
-    if len(published) == 1 or (not published and len(mine) == 1):
-        return (published or mine)[0]
-    hashes = ", ".join(sorted(str(r.get("config_hash")) for r in (published or mine)))
-    raise KVProbeError(f"{len(published or mine)} screen records for model '{model}' ({hashes}) and no single one "
-                       "published: list the screen run of this model in study.yaml, or remove the stale records")
+    if published or len(mine) == 1:
+        return published or mine
+    hashes = ", ".join(sorted(str(r.get("config_hash")) for r in mine))
+    raise KVProbeError(f"{len(mine)} screen records for model '{model}' ({hashes}) and none published: list the "
+                       "screen runs of this model in study.yaml, or remove the stale records")
 
 
-def _cell(record: dict[str, Any], task: str, mode: str) -> dict[str, Any]:
-    cells = record["summary"]["cells"]
-    if task not in cells:
-        raise KVProbeError(f"task '{task}'{closest(task, list(cells))} was not screened in this record; screened: "
-                           f"{', '.join(cells)}")
-    if mode not in cells[task]:
-        raise KVProbeError(f"mode '{mode}'{closest(mode, list(cells[task]))} was not screened for '{task}'; "
-                           f"screened: {', '.join(cells[task])}")
-    return cells[task][mode]
+def _cell(records: Sequence[dict[str, Any]], task: str, mode: str) -> dict[str, Any]:
+    """The task x mode cell: exactly one of the model's screen records must hold it."""
+    have = [r["summary"]["cells"][task][mode] for r in records if mode in r["summary"]["cells"].get(task, {})]
+    if len(have) == 1:
+        return have[0]
+    if have:
+        hashes = ", ".join(str(r.get("config_hash")) for r in records)
+        raise KVProbeError(f"{len(have)} screen records ({hashes}) hold '{task}' x '{mode}': publish one of them")
+    screened = sorted(f"{t}/{m}" for r in records for t, ms in r["summary"]["cells"].items() for m in ms)
+    name = f"{task}/{mode}"
+    raise KVProbeError(f"'{name}'{closest(name, screened)} was not screened for this model; screened: "
+                       f"{', '.join(screened)}")
 
 
 def competence(model: str, task: str, mode: str = "direct", records: Sequence[dict[str, Any]] | None = None,
@@ -72,7 +78,7 @@ def competence(model: str, task: str, mode: str = "direct", records: Sequence[di
                study_path: str | Path | None = None) -> Competence:
     """``(accuracy, ci, varies, competent)`` of ``model`` on ``task`` in ``mode`` from its screen record.
     ``gate`` replaces the record's gate (the lower bound must still exceed chance)."""
-    c = _cell(screen_record(model, records, results_dir, study_path), task, mode)
+    c = _cell(screen_records(model, records, results_dir, study_path), task, mode)
     acc = c["accuracy"]
     competent = c["competent"]
     if gate is not None and competent is not None:

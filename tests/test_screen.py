@@ -148,3 +148,16 @@ def test_screen_end_to_end_on_every_task(tiny_screen, tmp_path):
     mem = [r for r in rec["rows"] if r["task"] == "memory"]
     assert [r["meta"]["layout"] for r in mem] == ["contiguous", "contiguous"]  # E4's crossed draw: i // 2
     assert all(r["meta"]["partner_qa_index"] != r["meta"]["qa_index"] for r in rec["rows"] if r["task"] == "locomo")
+
+
+def test_a_model_screened_in_parts_reads_each_cell_from_its_record():
+    from kvprobe.competence import _cell
+
+    decide = [_row(i, f"s{i % 6}", *_labels(i), _labels(i), (-2.0, 2.0)) for i in range(12)]
+    direct = {"config_hash": "a", "summary": {"cells": {"memory": {"direct": cell(decide, "direct", Params())}}}}
+    chain = {"config_hash": "b", "summary": {"cells": {"memory": {"chain": cell(decide, "direct", Params())}}}}
+    assert _cell([direct, chain], "memory", "chain")["competent"] is True
+    with pytest.raises(KVProbeError, match="hold 'memory' x 'direct'"):
+        _cell([direct, direct], "memory", "direct")
+    with pytest.raises(KVProbeError, match="memory/direct, memory/chain|was not screened"):
+        _cell([direct, chain], "tau2", "direct")
