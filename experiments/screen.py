@@ -57,6 +57,7 @@ from kvprobe.tasks.edits import answer_prefix_tokens
 from kvprobe.tasks.gated import tokenize_pair
 from kvprobe.tasks.locomo import normalize_answer
 from kvprobe.tasks.memory import ANSWER_PREFIX, VALUES, action_ids, render_ids, toggle_twohop
+from kvprobe.paper import headlines as paper_headlines
 
 TASKS = ("memory", "tau2", "twohop_blocks", "agent", "locomo", "edit_in_transplant")
 EXPERIMENTS = {"memory": memory, "tau2": tau2, "twohop_blocks": twohop_blocks, "agent": agent, "locomo": locomo,
@@ -389,7 +390,5 @@ def headline(s: dict[str, Any]) -> str:
 EXPERIMENT = Experiment(
     name="screen", doc=__doc__, params=Params, make_instances=make_instances, run_instance=run_instance,
     summarize=summarize_rows, table=table, headline=headline, needs_template=True,
-    paper={"gated": "App. H: a model enters the memory tests only with full-recompute (oracle) accuracy >= 0.80; "
-                    "direct memory decisions at chance for <= 8B models, a chain is the competent regime (Sec. 7); "
-                    "Qwen3-8B left out of the two-hop test as at chance (App. G)"},
+    paper=paper_headlines("screen"),
     claims=())

@@ -30,6 +30,7 @@ SECTIONS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
      ("fig16_edit_frontier", "fig17_selective_k")),
     ("§6 Edit and compose together: editing inside a transplant, the unified agent",
      ("edit_in_transplant", "agent"), ("fig7a_edit_in_transplant", "fig7b_agent")),
+    ("The competence screen: which study model decides each application task (App. H's gate)", ("screen",), ()),
     ("§7 User memory and LoCoMo", ("memory", "locomo"), ("fig_memory", "fig11_locomo")),
     ("§9 and Tab. 1: the real τ² retail policy, and weight editing against the KV edit", ("tau2", "weight_edit"),
      ("sec9_tau2", "table1_weight_edit")),
