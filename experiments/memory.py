@@ -53,6 +53,7 @@ from kvprobe.stats.inference import gee_binomial, mcnemar_exact, summarize_propo
 from kvprobe.tasks.gated import render
 from kvprobe.tasks.memory import ANSWER_PREFIX, PLACEMENTS, VALUES, action_ids, persona_instance, render_ids
 from kvprobe.paper import headlines as paper_headlines
+from kvprobe.schema import distinct_subset
 
 EDITS = ("stale", "in_place", "erratum", "field_erratum")
 MODES = ("direct", "chain")
@@ -80,16 +81,12 @@ class Params(BaseModel):
     @field_validator("modes")
     @classmethod
     def _modes(cls, v: list[str]) -> list[str]:
-        if not v or any(m not in MODES for m in v) or len(set(v)) != len(v):
-            raise ValueError(f"modes must be a non-empty subset of {list(MODES)}; got {v}")
-        return v
+        return distinct_subset(v, MODES, "modes")
 
     @field_validator("placements")
     @classmethod
     def _placements(cls, v: list[str]) -> list[str]:
-        if not v or any(p not in PLACEMENTS for p in v) or len(set(v)) != len(v):
-            raise ValueError(f"placements must be a non-empty subset of {list(PLACEMENTS)}; got {v}")
-        return v
+        return distinct_subset(v, PLACEMENTS, "placements")
 
     @field_validator("e1_lines")
     @classmethod

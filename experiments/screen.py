@@ -58,6 +58,7 @@ from kvprobe.tasks.gated import tokenize_pair
 from kvprobe.tasks.locomo import normalize_answer
 from kvprobe.tasks.memory import ANSWER_PREFIX, VALUES, action_ids, render_ids, toggle_twohop
 from kvprobe.paper import headlines as paper_headlines
+from kvprobe.schema import distinct_subset
 
 TASKS = ("memory", "tau2", "twohop_blocks", "agent", "locomo", "edit_in_transplant")
 EXPERIMENTS = {"memory": memory, "tau2": tau2, "twohop_blocks": twohop_blocks, "agent": agent, "locomo": locomo,
@@ -84,16 +85,12 @@ class Params(BaseModel):
     @field_validator("tasks")
     @classmethod
     def _tasks(cls, v: list[str]) -> list[str]:
-        if not v or any(t not in TASKS for t in v) or len(set(v)) != len(v):
-            raise ValueError(f"tasks must be a non-empty subset of {list(TASKS)}; got {v}")
-        return v
+        return distinct_subset(v, TASKS, "tasks")
 
     @field_validator("modes")
     @classmethod
     def _modes(cls, v: list[str]) -> list[str]:
-        if not v or any(m not in MODES for m in v) or len(set(v)) != len(v):
-            raise ValueError(f"modes must be a non-empty subset of {list(MODES)}; got {v}")
-        return v
+        return distinct_subset(v, MODES, "modes")
 
     @field_validator("task_params")
     @classmethod

@@ -64,3 +64,10 @@ def format_validation_error(exc: Exception, model: type[BaseModel] | None = None
         else:
             lines.append(f"key '{key}': {err['msg']} (got {err.get('input')!r})")
     return "; ".join(lines)
+
+
+def distinct_subset(value: list[str], allowed: Any, key: str) -> list[str]:
+    """A config list that must name some of ``allowed``, each once (a params validator's body)."""
+    if not value or any(v not in allowed for v in value) or len(set(value)) != len(value):
+        raise ValueError(f"{key} must be a non-empty subset of {list(allowed)}, each once; got {value}")
+    return value
