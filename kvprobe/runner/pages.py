@@ -67,6 +67,13 @@ def _cell(row: dict[str, Any] | None) -> str:
     return short_verdict(row["verdict"]) + ("" if mean is None else f" ({mean:.2f})")
 
 
+def _paper_short(row: dict[str, Any]) -> str:
+    """The paper's value and where it is, for the one-line summary (the full statement is on the detail pages)."""
+    pr = row.get("paper_range")
+    value = "no number" if pr is None else f"{pr[0]:g}" if pr[0] == pr[1] else f"{pr[0]:g}-{pr[1]:g}"
+    return value + (f" ({row['location']})" if row.get("location") else "")
+
+
 def claims_summary(results_dir: str | Path = "results") -> str:
     """One row per paper claim, one column per study model (its main record of that experiment): the verdict
     and our mean. Effects (the paper's claims) and controls (claims that must fail for the effect to mean
@@ -88,7 +95,7 @@ def claims_summary(results_dir: str | Path = "results") -> str:
         role = "control" if row.get("role") == "control" else "effect"
         key = (row["experiment"], row["claim"])
         cells[role].setdefault(key, {})[row["model"]] = row
-        papers.setdefault(key, row.get("paper", ""))
+        papers.setdefault(key, _paper_short(row))
     order = {e: i for i, e in enumerate(EXPERIMENT_ORDER)}
     out = []
     for role, title in (("effect", "Effects: the paper's claims"),
