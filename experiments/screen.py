@@ -59,6 +59,7 @@ from kvprobe.tasks.locomo import normalize_answer
 from kvprobe.tasks.memory import ANSWER_PREFIX, VALUES, action_ids, render_ids, toggle_twohop
 from kvprobe.paper import headlines as paper_headlines
 from kvprobe.schema import distinct_subset
+from kvprobe.claims import COMPETENCE_GATE
 
 TASKS = ("memory", "tau2", "twohop_blocks", "agent", "locomo", "edit_in_transplant")
 EXPERIMENTS = {"memory": memory, "tau2": tau2, "twohop_blocks": twohop_blocks, "agent": agent, "locomo": locomo,
@@ -73,7 +74,7 @@ class Params(BaseModel):
     modes: list[str] = Field(default_factory=lambda: list(MODES), description="direct and/or chain")
     chain_tokens: int = Field(48, ge=1, le=512, description="greedy chain budget (tokens)")
     cot_cue: str = Field("Let me think step by step.", description="run over the cache before the chain")
-    gate: float = Field(0.8, gt=0.5, le=1.0, description="kvprobe's competence gate (App. H's oracle 0.80): "
+    gate: float = Field(COMPETENCE_GATE, gt=0.5, le=1.0, description="kvprobe's competence gate (App. H's oracle 0.80): "
                                                          "full-recompute accuracy must reach it")
     min_instances: int = Field(10, ge=1, description="fewer instances: no verdict")
     min_clusters: int = Field(5, ge=1, description="fewer scenario clusters: no verdict")
