@@ -37,7 +37,9 @@ from kvprobe.patching.pairs import measure, prefill_pair
 from kvprobe.runner.config import hash_neutral
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.probes.common import Case, case_row
-from kvprobe.probes.summary import ci_cell, gate_summary, recovery_summary
+from kvprobe.patching.ranking import rank_downstream
+from kvprobe.probes.summary import ci_cell, gate_summary, recovery_summary, scenarios
+from kvprobe.stats.inference import summarize_proportion
 from kvprobe.stats.bootstrap import quantiles
 from kvprobe.tasks.generator import FORMATS, RULE_MOVABLE, GeneratorFormats, GeneratorSplit, InfeasibleDistance, \
     RulePosition, build_generated, load_words, rule_position, template_families, tokenize_generated
@@ -54,6 +56,10 @@ class Params(BaseModel):
     instances_per_cell: int = Field(4, ge=1, description="families per (format, distance) cell, paired across cells")
     split: GeneratorSplit = Field("test", description="generator split the families come from")
     counterfactual: float = Field(0.5, ge=0.0, le=1.0, description="probability of an exchanged-values rule")
+    top_k: int = hash_neutral(0, ge=0, description="also refresh the field plus the k downstream positions of largest "
+                              "single-position effect (in-sample ranking, every layer) on gated instances; 0: off")
+    top_k_max_distance: int = hash_neutral(300, ge=1, description="the top-k state only in cells at or below this "
+                                           "distance: ranking patches every downstream position one at a time")
     rule_positions: list[RulePosition] = hash_neutral(
         ["format"], min_length=1,
         description="where the rule sits: 'format' (each format's own place), 'before_field', 'after_field'; "
@@ -102,18 +108,31 @@ def make_instances(ctx: Context) -> list[Any]:
 
 
 def run_instance(ctx: Context, inst: Any) -> dict[str, Any]:
-    lm = ctx.lm
+    lm, p = ctx.lm, ctx.params
     pair = tokenize_generated(lm.tokenizer, inst, lm.has_chat_template)
     pp = prefill_pair(lm, pair)
     anchor, lds, rec = measure(lm, pp, {"field_only": pp.field_only(), "full_downstream": pp.full_downstream()},
                                ctx.cfg.batch_size)
-    return case_row(ctx, inst, Case(pair, pp, anchor, lds, rec))
+    row = case_row(ctx, inst, Case(pair, pp, anchor, lds, rec))
+    if p.top_k and row["distance_target"] <= p.top_k_max_distance and row["included"]:
+        # Where notes take over: how much of the decision the field plus its k most effective downstream
+        # positions carry (ranked on this instance: a description, not a test).
+        top = rank_downstream(lm, pp, anchor, ctx.cfg.batch_size).top(p.top_k)
+        _, top_ld, top_rec = measure(lm, pp, {"top": pp.old.mix(pp.new, [*pp.field_slots, *top])},
+                                     ctx.cfg.batch_size)
+        row.update({"field_top_k": top_rec["top"], "field_top_k_ld": top_ld["top"],
+                    "top_k_offsets": [s - pp.field_slots[-1] for s in top]})
+    return row
 
 
 def _cell(rows: list[dict[str, Any]], seed: int) -> dict[str, Any]:
     flips = [r["flip"] for r in rows]
     included = [r for r in rows if r["included"]]
-    return {"n": len(rows), "n_included": len(included), "inclusion_rate": len(included) / len(rows),
+    extra = {}
+    if any("field_top_k" in r for r in rows):
+        extra["field_top_k"] = recovery_summary(rows, ["field_top_k"], seed=seed)["field_top_k"]
+    return {**extra, "n": len(rows), "n_included": len(included), "inclusion_rate": len(included) / len(rows),
+            "inclusion_ci": summarize_proportion([bool(r["included"]) for r in rows], scenarios(rows)),
             "distance_tokens_mean": sum(r["distance_tokens"] for r in rows) / len(rows),
             "oracle_flip": quantiles(flips), "oracle_flip_mean": sum(flips) / len(flips),
             "oracle_accuracy": sum(bool(r["oracle_correct"]) for r in rows) / len(rows),

@@ -68,7 +68,8 @@ class LoadedModel(HFKVBackend):
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "source": self.source, "fingerprint": self.fingerprint,
                 "model_type": self.spec.model_type, "n_layers": self.spec.n_layers, "dtype": str(self.dtype),
-                "device": str(self.device), **({"random_init": True} if self.random_init else {})}
+                "device": str(self.device), "n_params": sum(p.numel() for p in self.model.parameters()),
+                **({"random_init": True} if self.random_init else {})}
 
 
 def _package_dir(package: str, install: str = "make install") -> Path:

@@ -66,6 +66,9 @@ class Experiment:
     # The paper's testable claims about this experiment (kvprobe.claims.Claim), evaluated from records by
     # `kvprobe claims`; each names the task template stem it applies to, like ``paper``.
     claims: tuple[Any, ...] = ()
+    # kvprobe's own predictions of how a measure moves with model size (kvprobe.trends.Trend), declared before the
+    # runs that test them and tested on the study's published records by `kvprobe claims`.
+    trends: tuple[Any, ...] = ()
     # Whether run_instance reads the task template itself (``ctx.template``: erratum wording, prompt layout), so
     # generated instances (``task.generator``) cannot stand in for the template's.
     needs_template: bool = False
