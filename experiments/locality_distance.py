@@ -44,6 +44,7 @@ from kvprobe.stats.bootstrap import quantiles
 from kvprobe.tasks.generator import FORMATS, RULE_MOVABLE, GeneratorFormats, GeneratorSplit, InfeasibleDistance, \
     RulePosition, build_generated, load_words, rule_position, template_families, tokenize_generated
 from kvprobe.paper import headlines as paper_headlines
+from kvprobe.trends import Trend
 
 STATES = ("field_only", "full_downstream")
 
@@ -189,6 +190,27 @@ def headline(summary: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+CHAT_SHAPES = ("user_turn", "document_qa")  # the formats that can move the rule (RULE_MOVABLE)
+RULE_FIRST = (("rule_at", "before_field"), ("format", CHAT_SHAPES))
+RULE_AFTER = (("rule_at", "after_field"), ("format", CHAT_SHAPES))
+# kvprobe's own predictions across the pretrained sizes (135M, 0.5B, 1.5B; configs/locality_sizes.yaml, study task
+# "sizes"), declared before the runs that test them (kvprobe.trends). The earlier 6-instance cells at ~150 tokens
+# gated 0 / 2 / 5 of 6 with the rule first and 0 / 0 / 4 of 6 with it after, and field-only recovery with the rule
+# first was 0.33 (0.5B, locality_chat) and 0.21 (1.5B): hence the directions.
+TRENDS = (
+    Trend("gate_rises_rule_first", "with the rule before the field, more instances gate (the decision moves with "
+          "the field) the larger the model", "gate", "rises", RULE_FIRST),
+    Trend("gate_rises_rule_after", "with the rule after the field, more instances gate the larger the model",
+          "gate", "rises", RULE_AFTER),
+    Trend("gate_rises_paper_layout", "in the paper's layout (gated_template, ~1,000 tokens) more instances gate "
+          "the larger the model", "gate", "rises", (("format", "gated_template"),)),
+    Trend("field_only_falls_rule_first", "with the rule before the field, the share of the decision the field's "
+          "own refreshed entries carry falls with size (notes take over)", "field_only", "falls", RULE_FIRST),
+    Trend("field_only_flat_rule_after", "with the rule after the field, field-only recovery does not move with "
+          "size (it stays at the paper's locality level where models gate; kvprobe's margin: 0.1 per decade of "
+          "parameters)", "field_only", "flat", RULE_AFTER, margin=0.1),
+)
+
 EXPERIMENT = Experiment(name="locality_distance", doc=__doc__, params=Params, run_instance=run_instance,
                         summarize=summarize, make_instances=make_instances, table=table, headline=headline,
-                        paper=paper_headlines("locality_distance"))
+                        paper=paper_headlines("locality_distance"), trends=TRENDS)
