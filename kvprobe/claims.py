@@ -964,10 +964,20 @@ def _write_document(path: Path, doc: dict[str, Any]) -> None:
 def write_claims(results_dir: str | Path = "results", out: str | Path | None = None
                  ) -> tuple[Path, list[dict[str, Any]]]:
     """Evaluate every claim and write them to ``<results>/claims.json`` (a pure function of the records)."""
-    rows = load_claims(results_dir)
+    records = claim_records(results_dir)
+    rows = claims_rows(records)
     path = Path(out) if out else Path(results_dir) / "claims.json"
-    _write_document(path, claims_document(rows))
+    _write_document(path, with_trends(claims_document(rows), records))
     return path, rows
+
+
+def with_trends(doc: dict[str, Any], records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The claims file with kvprobe's pre-registered trends across model size (:mod:`kvprobe.trends`) tested on
+    the same records, under ``trends`` (kvprobe's own predictions, apart from the paper's claims)."""
+    from kvprobe.trends import trend_rows
+
+    trends = trend_rows(records)
+    return {**doc, "trends": _stable(trends)} if trends else doc
 
 
 def claims_markdown(results_dir: str | Path = "results") -> str:
@@ -990,11 +1000,15 @@ def summary_counts(rows: Sequence[dict[str, Any]]) -> dict[str, int]:
 def _cmd_claims(args: Any) -> int:
     from kvprobe.errors import KVProbeError
 
-    rows = load_claims(args.results)
+    records = claim_records(args.results)
+    rows = claims_rows(records)
     if not rows:  # evaluated before anything is written: a failing call leaves no claims.json
         raise KVProbeError(f"no records with declared claims under {args.results}/ (run an experiment first)")
     path = Path(args.out) if args.out else Path(args.results) / "claims.json"
-    _write_document(path, claims_document(rows))
+    doc = with_trends(claims_document(rows), records)
+    _write_document(path, doc)
+    for t in doc.get("trends", []):
+        print(f"trend {t['key']}: {t['verdict']}")
     if args.table:
         print(markdown(rows) + "\n")
     for h in headline(rows).values():

@@ -65,7 +65,7 @@ class Trend:
             raise ValueError(f"trend {self.key}: a margin goes with direction 'flat', and only with it")
 
 
-def _matches(row: dict[str, Any], where: Sequence[tuple[str, Any]]) -> bool:
+def matches(row: dict[str, Any], where: Sequence[tuple[str, Any]]) -> bool:
     """Every (field, value) holds; a tuple value means "one of"."""
     return all(row.get(k) in v if isinstance(v, tuple) else row.get(k) == v for k, v in where)
 
@@ -73,7 +73,8 @@ def _matches(row: dict[str, Any], where: Sequence[tuple[str, Any]]) -> bool:
 def size_records(records: Sequence[dict[str, Any]], task: str = SIZES_TASK, kinds: Sequence[str] = ("pretrained",)
                  ) -> list[dict[str, Any]]:
     """The published ``locality_distance`` records of ``task`` on models of ``kinds`` (study.yaml), smallest
-    model first, each with ``_params_b`` (the registry's size) set."""
+    model first, each with ``_params_b`` set: the registry's size (the model card's), else the parameters the
+    record counted (an organism: its base plus the adapter)."""
     from kvprobe.models.registry import REGISTRY
     from kvprobe.study import load_study
 
@@ -86,9 +87,9 @@ def size_records(records: Sequence[dict[str, Any]], task: str = SIZES_TASK, kind
         if name not in study or study[name].kind not in kinds:
             continue
         entry = REGISTRY.get(name)
-        if entry is None or entry.params_b is None:
-            continue
-        out.append({**rec, "_params_b": entry.params_b})
+        size = entry.params_b if entry is not None and entry.params_b else (rec["model"].get("n_params") or 0) / 1e9
+        if size:
+            out.append({**rec, "_params_b": size})
     return sorted(out, key=lambda r: (r["_params_b"], r["model"]["name"]))
 
 
@@ -98,7 +99,7 @@ def trend_units(trend: Trend, records: Sequence[dict[str, Any]]) -> list[dict[st
     for rec in records:
         x = math.log10(rec["_params_b"] * 1e9)
         for row in rec["rows"]:
-            if not _matches(row, trend.where):
+            if not matches(row, trend.where):
                 continue
             if trend.measure == "gate":
                 y = float(bool(row["included"]))
@@ -198,3 +199,85 @@ def size_cells(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                             "rule": rule or "format's own place", "distance": int(dist), "cell": cell,
                             "dtype": str(rec["model"].get("dtype", "")).replace("torch.", "")})
     return out
+
+
+CELL_COLUMNS = ("model", "params", "dtype", "prompt shape", "rule", "distance (measured)", "gated / all [95% exact CI]",
+                "flip median (nats)", "field-only recovery, gated [95% cluster CI]", "verdict (kvprobe margin 0.1)",
+                "field + top-8 downstream, gated (in-sample)")
+
+
+def sizes_markdown(records: Sequence[dict[str, Any]]) -> str:
+    """The cross-size grid, one row per cell, pretrained sizes then the organisms (RESULTS.md's
+    ``<!-- kvprobe:locality_sizes -->`` block)."""
+    from kvprobe.probes.summary import ci_cell
+    from kvprobe.runner.report import markdown_table
+
+    rows = []
+    for kinds in (("pretrained",), ("organism",)):
+        for c in size_cells(size_records(records, kinds=kinds)):
+            cell = c["cell"]
+            gate = cell.get("inclusion_ci") or {}
+            flip = cell["oracle_flip"].get("median")
+            fo = cell["recovery"]["field_only"]["gated"]
+            top = (cell.get("field_top_k") or {}).get("gated")
+            gate_ci = (f" [{gate['ci_low']:.2f}, {gate['ci_high']:.2f}]" if gate.get("ci_low") is not None else "")
+            rows.append([c["model"], f"{c['params_b']:g} B", c["dtype"], c["format"], c["rule"],
+                         f"{c['distance']} ({cell['distance_tokens_mean']:.0f})",
+                         f"{cell['n_included']}/{cell['n']}{gate_ci}", "n/a" if flip is None else f"{flip:.2f}",
+                         ci_cell(fo), cell_verdict(fo), ci_cell(top) if top else "-"])
+    return markdown_table(rows, CELL_COLUMNS) if rows else "(no cross-size locality record published yet)"
+
+
+TREND_COLUMNS = ("trend (kvprobe's pre-registered prediction)", "measure", "units per model", "slope per decade of "
+                 "parameters [95% CI]", "p (two-sided)", "verdict")
+
+
+def trends_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """The trend rows of ``claims.json`` as a table (RESULTS.md's ``<!-- kvprobe:size_trends -->`` block)."""
+    from kvprobe.runner.report import markdown_table
+
+    out = []
+    for r in rows:
+        slope = r.get("slope_per_decade")
+        cell = "-" if slope is None else f"{slope:+.2f} [{r['ci_low']:+.2f}, {r['ci_high']:+.2f}]"
+        p = r.get("p_two_sided")
+        measure = {"gate": "gate rate (all instances)", "field_only": "field-only recovery (gated)"}[r["measure"]]
+        units = ", ".join(f"{m} {n}" for m, n in r.get("units_per_model", {}).items()) or "none"
+        out.append([f"`{r['key']}`: {r['text']}", measure, units, cell, "-" if p is None else f"{p:.2g}",
+                    r["verdict"]])
+    return markdown_table(out, TREND_COLUMNS) if out else "(no trend declared)"
+
+
+def dtype_check_markdown(records: Sequence[dict[str, Any]], model: str, run_task: str = SIZES_TASK,
+                         check_task: str = "sizes_fp32_check") -> str:
+    """The same instances in two dtypes (a reduced-precision run and its full-precision check, matched by instance
+    index): per instance the oracle flip and field-only recovery in each, and the largest differences
+    (RESULTS' ``<!-- kvprobe:dtype_check MODEL -->`` block)."""
+    from kvprobe.runner.report import markdown_table
+
+    def find(task: str) -> dict[str, Any] | None:
+        return next((r for r in records if r["model"]["name"] == model and r.get("_task") == task
+                     and r["experiment"] == "locality_distance"), None)
+
+    run, check = find(run_task), find(check_task)
+    if run is None or check is None:
+        return f"(no {run_task} / {check_task} pair of records for {model} yet)"
+    by_index = {r["index"]: r for r in run["rows"]}
+    out, d_flip, d_fo = [], [], []
+    for c in check["rows"]:
+        r = by_index.get(c["index"])
+        if r is None or r.get("scenario") != c.get("scenario"):
+            continue
+        d_flip.append(abs(r["flip"] - c["flip"]))
+        fo = "-"
+        if r["included"] and c["included"]:
+            d_fo.append(abs(r["field_only"] - c["field_only"]))
+            fo = f"{c['field_only']:.3f} / {r['field_only']:.3f}"
+        out.append([str(c["index"]), str(c.get("scenario")), f"{c['flip']:.2f} / {r['flip']:.2f}",
+                    f"{c['included']} / {r['included']}", fo])
+    dt = (str(check["model"].get("dtype", "")).replace("torch.", ""), str(run["model"].get("dtype", "")).replace("torch.", ""))
+    head = (f"{len(out)} instances, {dt[0]} / {dt[1]}: largest flip difference "
+            f"{max(d_flip, default=float('nan')):.3f} nats, largest field-only difference "
+            f"{max(d_fo, default=float('nan')):.3f}")
+    cols = ("instance", "scenario", f"oracle flip, {dt[0]} / {dt[1]} (nats)", "gated", f"field-only, {dt[0]} / {dt[1]}")
+    return head + "\n\n" + markdown_table(out, cols)

@@ -88,3 +88,18 @@ def test_declared_trends_are_well_formed() -> None:
     trends = declared_trends()
     assert len(trends) >= 5 and len({t.key for _, t in trends}) == len(trends)
     assert all(t.text and (t.margin is None or math.isfinite(t.margin)) for _, t in trends)
+
+
+def test_dtype_check_matches_instances_and_reports_the_largest_difference() -> None:
+    from kvprobe.trends import dtype_check_markdown
+
+    def rec(task: str, dtype: str, shift: float) -> dict:
+        rows = [{"index": i, "scenario": f"s{i}", "flip": 2.0 + shift, "included": True, "field_only": 0.3 + shift * i}
+                for i in range(4)]
+        return {"experiment": "locality_distance", "model": {"name": "m", "dtype": dtype}, "_task": task, "rows": rows}
+
+    text = dtype_check_markdown([rec("sizes", "torch.bfloat16", 0.01), rec("sizes_fp32_check", "torch.float32", 0.0)],
+                                "m")
+    assert text.startswith("4 instances, float32 / bfloat16: largest flip difference 0.010 nats, largest field-only "
+                           "difference 0.030"), text
+    assert "no sizes" in dtype_check_markdown([rec("sizes", "torch.bfloat16", 0.0)], "m")

@@ -215,45 +215,28 @@ def study_table(results_dir: str | Path = "results") -> str:
     return markdown_table(rows, ("model", "kind", "what it is", "when to use it", "load (cached, busy 2-core CPU)", "published runs"))
 
 
-SIZES_TASK = "sizes"  # study task name of the cross-size locality grid (configs/locality_sizes.yaml); "sizes_*" too
-SIZES_COLUMNS = ("model", "params", "prompt shape", "rule", "distance target (measured)", "included / all",
-                 "oracle flip median (nats)", "field-only recovery, included (mean [95% cluster CI])")
+def _sizes_block(results_dir: str | Path) -> str:
+    from kvprobe.trends import sizes_markdown
+
+    return sizes_markdown(published(results_dir))
 
 
-def size_cells(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The cross-size locality grid: one cell per (model, format, rule position, distance) of the published
-    ``locality_distance`` records whose task is :data:`SIZES_TASK` (or ``sizes_...``: a model's extra cells run
-    apart), smallest model first. ``params_b`` is the model's size from the registry (None for an unknown one)."""
-    from kvprobe.models.registry import REGISTRY
+def _dtype_block(results_dir: str | Path, model: str) -> str:
+    from kvprobe.trends import dtype_check_markdown
 
-    out = []
-    for rec in records:
-        task = rec.get("_task", "")
-        if rec["experiment"] != "locality_distance" or not (task == SIZES_TASK or task.startswith(SIZES_TASK + "_")):
-            continue
-        name = rec["model"]["name"]
-        entry = REGISTRY.get(name)
-        for label, by_d in rec["summary"]["cells"].items():
-            fmt, _, rule = label.partition(", rule ")
-            for dist, cell in by_d.items():
-                out.append({"model": name, "params_b": entry.params_b if entry else None, "format": fmt,
-                            "rule": rule or "format's own place", "distance": int(dist), "cell": cell})
-    return sorted(out, key=lambda c: (c["params_b"] or 0.0, c["model"], c["format"], c["rule"], c["distance"]))
+    return dtype_check_markdown(published(results_dir), model)
 
 
-def sizes_table(results_dir: str | Path = "results") -> str:
-    """The cross-size locality grid as a table (RESULTS.md's ``<!-- kvprobe:locality_sizes -->`` block)."""
-    from kvprobe.probes.summary import ci_cell
+def _trends_block(results_dir: str | Path) -> str:
+    """The trends across size, as ``claims.json`` holds them (written by `kvprobe claims`)."""
+    import json
 
-    rows = []
-    for c in size_cells(published(results_dir)):
-        cell = c["cell"]
-        size = f"{c['params_b']:g} B" if c["params_b"] else "?"
-        flip = cell["oracle_flip"].get("median")
-        rows.append([c["model"], size, c["format"], c["rule"], f"{c['distance']} ({cell['distance_tokens_mean']:.0f})",
-                     f"{cell['n_included']}/{cell['n']}", "n/a" if flip is None else f"{flip:.2f}",
-                     ci_cell(cell["recovery"]["field_only"]["gated"])])
-    return markdown_table(rows, SIZES_COLUMNS) if rows else "(no cross-size locality record published yet)"
+    from kvprobe.trends import trends_markdown
+
+    path = Path(results_dir) / "claims.json"
+    if not path.exists():
+        return "(no claims table yet: `kvprobe claims`)"
+    return trends_markdown(json.loads(path.read_text()).get("trends", []))
 
 
 def _claims_summary_block(results_dir: str | Path) -> str:
@@ -312,10 +295,12 @@ GENERATORS: dict[str, Callable[..., str]] = {
     "claims_summary": _claims_summary_block,
     "claims": _claims_block,
     "compare": _compare_block,
-    "locality_sizes": sizes_table,
+    "locality_sizes": lambda d: _sizes_block(d),
+    "size_trends": lambda d: _trends_block(d),
+    "dtype_check": lambda d, model: _dtype_block(d, model),
     "bench_output": bench_output,
 }
-TAKES_ARGUMENTS = {"compare", "section", "bench_output"}
+TAKES_ARGUMENTS = {"compare", "section", "bench_output", "dtype_check"}
 BLOCK_PLUGINS = "kvprobe.report_blocks"  # entry-point group: packages add generated blocks (the organism tables)
 
 
