@@ -45,7 +45,7 @@ from kvprobe.claims import MIN_CLUSTERS, MIN_N, RECOVERY_MARGIN
 Direction = Literal["rises", "falls", "flat"]
 Measure = Literal["gate", "field_only"]
 MIN_PER_SIZE = 5  # a size enters a trend only with at least this many units (gated instances for field-only)
-SIZES_TASK = "sizes"  # the study task of the cross-size locality grid (configs/locality_sizes.yaml)
+SIZES_TASK = "sizes"  # the study task of the cross-size locality grid (configs/locality_sizes.yaml); "sizes_*" too
 
 
 @dataclass(frozen=True)
@@ -72,8 +72,8 @@ def matches(row: dict[str, Any], where: Sequence[tuple[str, Any]]) -> bool:
 
 def size_records(records: Sequence[dict[str, Any]], task: str = SIZES_TASK, kinds: Sequence[str] = ("pretrained",)
                  ) -> list[dict[str, Any]]:
-    """The published ``locality_distance`` records of ``task`` on models of ``kinds`` (study.yaml), smallest
-    model first, each with ``_params_b`` set: the registry's size (the model card's), else the parameters the
+    """The published ``locality_distance`` records of ``task`` (or ``task_...``: a model's grid run in parts) on models
+    of ``kinds`` (study.yaml), smallest model first, each with ``_params_b`` set: the registry's size (the model card's), else the parameters the
     record counted (an organism: its base plus the adapter)."""
     from kvprobe.models.registry import REGISTRY
     from kvprobe.study import load_study
@@ -82,7 +82,8 @@ def size_records(records: Sequence[dict[str, Any]], task: str = SIZES_TASK, kind
     out = []
     for rec in records:
         name = rec["model"]["name"]
-        if rec["experiment"] != "locality_distance" or rec.get("_task") != task:
+        run_task = rec.get("_task") or ""
+        if rec["experiment"] != "locality_distance" or not (run_task == task or run_task.startswith(task + "_")):
             continue
         if name not in study or study[name].kind not in kinds:
             continue
@@ -249,7 +250,7 @@ def trends_markdown(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def dtype_check_markdown(records: Sequence[dict[str, Any]], model: str, run_task: str = SIZES_TASK,
-                         check_task: str = "sizes_fp32_check") -> str:
+                         check_task: str = "dtype_check") -> str:
     """The same instances in two dtypes (a reduced-precision run and its full-precision check, matched by instance
     index): per instance the oracle flip and field-only recovery in each, and the largest differences
     (RESULTS' ``<!-- kvprobe:dtype_check MODEL -->`` block)."""

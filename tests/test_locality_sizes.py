@@ -31,7 +31,7 @@ def test_locality_sizes_cells_by_size_table_and_figure(tiny_generator_dir, tmp_p
     assert len(record["rows"]) == 16
     # three sizes given in the wrong order, one record of another task (not part of the grid), one organism
     records = [_as_published(record, "qwen2.5-coder-1.5b"), _as_published(record, "smollm2-135m"),
-               _as_published(record, "qwen2.5-coder-0.5b", task="sizes_far"),
+               _as_published(record, "qwen2.5-coder-0.5b", task="dtype_check"),
                _as_published(record, "qwen2.5-coder-0.5b", task="distance"),
                _as_published(record, "smollm2-135m-gated-v3n2-seed2")]
     sized = trends.size_records(records)

@@ -98,7 +98,7 @@ def test_dtype_check_matches_instances_and_reports_the_largest_difference() -> N
                 for i in range(4)]
         return {"experiment": "locality_distance", "model": {"name": "m", "dtype": dtype}, "_task": task, "rows": rows}
 
-    text = dtype_check_markdown([rec("sizes", "torch.bfloat16", 0.01), rec("sizes_fp32_check", "torch.float32", 0.0)],
+    text = dtype_check_markdown([rec("sizes", "torch.bfloat16", 0.01), rec("dtype_check", "torch.float32", 0.0)],
                                 "m")
     assert text.startswith("4 instances, float32 / bfloat16: largest flip difference 0.010 nats, largest field-only "
                            "difference 0.030"), text
