@@ -171,5 +171,6 @@ def headline(summary: dict[str, Any]) -> str:
 
 
 EXPERIMENT = Experiment(name="locality_distance", doc=__doc__, params=Params, run_instance=run_instance,
+                        section="sec3", section_order=2,
                         summarize=summarize, make_instances=make_instances, table=table, headline=headline,
                         paper=paper_headlines("locality_distance"))

@@ -66,7 +66,7 @@ def test_a_smoke_run_goes_to_runs_and_publish_sends_it_to_results(tiny_text_dir,
 
 
 def test_first_contact_sentence_reads_the_numbers_beside_the_paper():
-    from kvprobe.runner.report import interpretation
+    from kvprobe.app.report import interpretation
 
     records = {(r["model"]["name"], r["_task"]): r for r in published_records(load_records(REPO / "results"))
                if r["experiment"] == "locality"}

@@ -152,3 +152,28 @@ def mark_at_chance(ax, what: str) -> None:
     ax.text(0.5, 0.5, f"AT CHANCE: {what}", transform=ax.transAxes, ha="center", va="center", fontsize=6,
             color="#8b0000", bbox={"boxstyle": "round", "fc": "white", "ec": "#8b0000", "lw": 0.6, "alpha": 0.85},
             wrap=True, zorder=10)
+
+
+SIZES_TASK = "sizes"  # study task name of the cross-size locality grid (configs/locality_sizes.yaml); "sizes_*" too
+
+
+def size_cells(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The cross-size locality grid: one cell per (model, format, rule position, distance) of the published
+    ``locality_distance`` records whose task is :data:`SIZES_TASK` (or ``sizes_...``: a model's extra cells run
+    apart), smallest model first. ``params_b`` is the model's size from the registry (None for an unknown one).
+    The cross-size figure draws these cells and the report's ``locality_sizes`` block tabulates them."""
+    from kvprobe.models.registry import REGISTRY
+
+    out = []
+    for rec in records:
+        task = rec.get("_task", "")
+        if rec["experiment"] != "locality_distance" or not (task == SIZES_TASK or task.startswith(SIZES_TASK + "_")):
+            continue
+        name = rec["model"]["name"]
+        entry = REGISTRY.get(name)
+        for label, by_d in rec["summary"]["cells"].items():
+            fmt, _, rule = label.partition(", rule ")
+            for dist, cell in by_d.items():
+                out.append({"model": name, "params_b": entry.params_b if entry else None, "format": fmt,
+                            "rule": rule or "format's own place", "distance": int(dist), "cell": cell})
+    return sorted(out, key=lambda c: (c["params_b"] or 0.0, c["model"], c["format"], c["rule"], c["distance"]))

@@ -8,7 +8,7 @@ field-only at ~725 tokens, from the paper registry) is drawn for reference.
 
 The cross-size view (``fig3a_locality_sizes``): the grid of ``configs/locality_sizes.yaml`` on the pretrained
 sizes, field-only recovery against model size with the rule before vs after the field, beside the paper's 8B
-value (its cells come from :func:`kvprobe.runner.report.size_cells`, which the report's table reads too).
+value (its cells come from :func:`kvprobe.figures.common.size_cells`, which the report's table reads too).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def fig_locality_sizes(records: list[dict[str, Any]], path: Path) -> None:
     """Field-only recovery against model size, the rule before vs after the field (the cross-size view of
     paper Fig. 3a): one column per distance, recovery (included instances, cluster CI) above and the inclusion
     rate below, one line per (format, rule position) over the pretrained sizes; the paper's 8B value marked."""
-    from kvprobe.runner.report import size_cells
+    from kvprobe.figures.common import size_cells
 
     cells = [c for c in size_cells(records) if c["params_b"]]
     if not cells:
@@ -179,3 +179,5 @@ def fig_locality_sizes(records: list[dict[str, Any]], path: Path) -> None:
 
 
 DISTANCE_FIGURES["fig3a_locality_sizes"] = ("locality_distance", fig_locality_sizes)
+
+FIGURES = DISTANCE_FIGURES  # what kvprobe.figures collects from each of its modules

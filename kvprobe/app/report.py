@@ -196,9 +196,15 @@ def headline_table(results_dir: str | Path = "results", experiment: str = "local
     return markdown_table(rows, STUDY_COLUMNS[:5])
 
 
-def section_table(results_dir: str | Path, *experiments: str) -> str:
-    if not experiments:
-        raise KVProbeError("the block 'kvprobe:section' takes experiment names: <!-- kvprobe:section locality -->")
+def section_table(results_dir: str | Path, *names: str) -> str:
+    """The study's rows of a paper section's experiments. Each name is a section key (``sec3``: every experiment
+    that declares it, in its order, :mod:`kvprobe.runner.sections`) or an experiment's name."""
+    from kvprobe.runner.sections import BY_KEY, experiments_in
+
+    if not names:
+        raise KVProbeError("the block 'kvprobe:section' takes a section key or experiment names: "
+                           "<!-- kvprobe:section sec3 --> or <!-- kvprobe:section locality -->")
+    experiments = [e for n in names for e in (experiments_in(n) if n in BY_KEY else (n,))]
     rows = study_rows(results_dir, experiments)
     # the paper's value repeats on every model's row of one experiment: print it once per run of equal values
     shown = [row[:-1] + ["as above" if i and row[-1] and row[-1] == rows[i - 1][-1] else row[-1]]
@@ -215,34 +221,14 @@ def study_table(results_dir: str | Path = "results") -> str:
     return markdown_table(rows, ("model", "kind", "what it is", "when to use it", "load (cached, busy 2-core CPU)", "published runs"))
 
 
-SIZES_TASK = "sizes"  # study task name of the cross-size locality grid (configs/locality_sizes.yaml); "sizes_*" too
 SIZES_COLUMNS = ("model", "params", "prompt shape", "rule", "distance target (measured)", "included / all",
                  "oracle flip median (nats)", "field-only recovery, included (mean [95% cluster CI])")
 
 
-def size_cells(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The cross-size locality grid: one cell per (model, format, rule position, distance) of the published
-    ``locality_distance`` records whose task is :data:`SIZES_TASK` (or ``sizes_...``: a model's extra cells run
-    apart), smallest model first. ``params_b`` is the model's size from the registry (None for an unknown one)."""
-    from kvprobe.models.registry import REGISTRY
-
-    out = []
-    for rec in records:
-        task = rec.get("_task", "")
-        if rec["experiment"] != "locality_distance" or not (task == SIZES_TASK or task.startswith(SIZES_TASK + "_")):
-            continue
-        name = rec["model"]["name"]
-        entry = REGISTRY.get(name)
-        for label, by_d in rec["summary"]["cells"].items():
-            fmt, _, rule = label.partition(", rule ")
-            for dist, cell in by_d.items():
-                out.append({"model": name, "params_b": entry.params_b if entry else None, "format": fmt,
-                            "rule": rule or "format's own place", "distance": int(dist), "cell": cell})
-    return sorted(out, key=lambda c: (c["params_b"] or 0.0, c["model"], c["format"], c["rule"], c["distance"]))
-
-
 def sizes_table(results_dir: str | Path = "results") -> str:
-    """The cross-size locality grid as a table (RESULTS.md's ``<!-- kvprobe:locality_sizes -->`` block)."""
+    """The cross-size locality grid as a table (RESULTS.md's ``<!-- kvprobe:locality_sizes -->`` block): the cells of
+    :func:`kvprobe.figures.common.size_cells`, which the cross-size figure draws too."""
+    from kvprobe.figures.common import size_cells
     from kvprobe.probes.summary import ci_cell
 
     rows = []
@@ -254,12 +240,6 @@ def sizes_table(results_dir: str | Path = "results") -> str:
                      f"{cell['n_included']}/{cell['n']}", "n/a" if flip is None else f"{flip:.2f}",
                      ci_cell(cell["recovery"]["field_only"]["gated"])])
     return markdown_table(rows, SIZES_COLUMNS) if rows else "(no cross-size locality record published yet)"
-
-
-def _claims_summary_block(results_dir: str | Path) -> str:
-    from kvprobe.runner.pages import claims_summary
-
-    return claims_summary(results_dir)
 
 
 def _claims_block(results_dir: str | Path) -> str:
@@ -309,7 +289,6 @@ GENERATORS: dict[str, Callable[..., str]] = {
     "headlines": headline_table,
     "study": study_table,
     "section": section_table,
-    "claims_summary": _claims_summary_block,
     "claims": _claims_block,
     "compare": _compare_block,
     "locality_sizes": sizes_table,
