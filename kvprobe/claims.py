@@ -927,8 +927,10 @@ def expanded_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
         kind = row.get("kind")
         row.setdefault("status", kind if kind in ("identity", "describe") else
                        "tested" if row.get("p") is not None else "untested")
-        if slim.get("record"):
-            row["record"] = f"results/{experiment}/{slim['model']}/{slim['record']}.json"
+        if slim.get("record"):  # the record's folder is the model's slug (a Hugging Face id's or a path's last part)
+            from kvprobe.runner.records import model_slug
+
+            row["record"] = f"results/{experiment}/{model_slug(slim['model'])}/{slim['record']}.json"
         out.append(row)
     return out
 

@@ -17,6 +17,7 @@ def _as_published(record, model, task="sizes"):
 
 
 def test_locality_sizes_cells_by_size_table_and_figure(tiny_generator_dir, tmp_path, monkeypatch):  # noqa: F811
+    from kvprobe.figures.common import size_cells
     from kvprobe.figures.distance import fig_locality_sizes
     from kvprobe.app import report
 
@@ -32,7 +33,7 @@ def test_locality_sizes_cells_by_size_table_and_figure(tiny_generator_dir, tmp_p
     records = [_as_published(record, "qwen2.5-coder-1.5b"), _as_published(record, "smollm2-135m"),
                _as_published(record, "qwen2.5-coder-0.5b", task="sizes_far"),
                _as_published(record, "qwen2.5-coder-0.5b", task="distance")]
-    cells = report.size_cells(records)
+    cells = size_cells(records)
     assert len(cells) == 3 * 4 * 2
     assert [c["model"] for c in cells[::8]] == ["smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
     assert [c["params_b"] for c in cells[::8]] == [0.135, 0.494, 1.54]

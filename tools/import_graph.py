@@ -12,11 +12,11 @@ else to ``pkg``; the implicit import of a parent package's ``__init__`` is not c
   (``top`` and ``lazy``: a function-local import closes a circle as surely as a top-level one).
 - **rooms**: ``kvprobe/<part>/`` or ``kvprobe/<part>.py`` (the package's ``__init__`` is the room ``kvprobe``),
   and ``experiments``. Room edges are the module edges between two rooms, of any kind.
-- **floors**: each room's height in the graph of ``top`` room edges (strongly connected rooms share one floor):
-  a room that imports no other room at module scope is on floor 0, any other one floor above the highest room
-  it imports. This is the layering the module-scope imports already obey.
-- **arrows back up**: room pairs (A, B) with an edge A -> B of any kind (``lazy`` and ``typing`` included) whose
-  B is on A's floor or above it: an import that does not point down the layering.
+- **arrows back up**: the fewest room arrows that point up in any layering of the rooms (an exact minimum
+  feedback arc set of the room graph, edges of every kind counted once per room pair): 0 exactly when the rooms
+  import each other in no circle, however lazily. The arrows listed are those of the best layering found.
+- **floors**: that layering's height of each room: floor 0 imports no other room, any other room stands one
+  floor above the highest room it imports down to.
 
 ``--list`` prints each circle's modules and each arrow back up with the files that make it.
 tests/test_import_graph.py holds the numbers to their targets (0 circles, at most 2 arrows back up).
