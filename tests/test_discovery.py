@@ -42,3 +42,14 @@ def test_the_experiments_table_has_a_row_per_experiment():
     assert len(rows) == len(available_experiments())
     for name in available_experiments():
         assert re.search(rf"`make exp-{name}`", table), name
+
+
+def test_readme_and_results_list_experiments_through_generated_blocks():
+    """The README's experiments table and RESULTS.md's section tables are generated blocks (test_docs checks they
+    equal their regeneration), so a new experiment appears in both without an edit."""
+    readme = (REPO / "README.md").read_text()
+    assert "<!-- kvprobe:experiments -->" in readme
+    block = readme.split("<!-- kvprobe:experiments -->", 1)[1].split("<!-- /kvprobe:experiments -->", 1)[0]
+    assert all(f"`make exp-{name}`" in block for name in available_experiments())
+    results = (REPO / "RESULTS.md").read_text()
+    assert "<!-- kvprobe:section sec3 -->" in results
