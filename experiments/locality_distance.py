@@ -212,5 +212,6 @@ TRENDS = (
 )
 
 EXPERIMENT = Experiment(name="locality_distance", doc=__doc__, params=Params, run_instance=run_instance,
+                        section="sec3", section_order=2,
                         summarize=summarize, make_instances=make_instances, table=table, headline=headline,
                         paper=paper_headlines("locality_distance"), trends=TRENDS)

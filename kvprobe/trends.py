@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvprobe.claims import MIN_CLUSTERS, MIN_N, RECOVERY_MARGIN
+from kvprobe.claims import MIN_CLUSTERS, MIN_N, RECOVERY_MARGIN, stable
 
 Direction = Literal["rises", "falls", "flat"]
 Measure = Literal["gate", "field_only"]
@@ -211,7 +211,7 @@ def sizes_markdown(records: Sequence[dict[str, Any]]) -> str:
     """The cross-size grid, one row per cell, pretrained sizes then the organisms (RESULTS.md's
     ``<!-- kvprobe:locality_sizes -->`` block)."""
     from kvprobe.probes.summary import ci_cell
-    from kvprobe.runner.report import markdown_table
+    from kvprobe.probes.summary import table_markdown as markdown_table
 
     rows = []
     for kinds in (("pretrained",), ("organism",)):
@@ -235,7 +235,7 @@ TREND_COLUMNS = ("trend (kvprobe's pre-registered prediction)", "measure", "unit
 
 def trends_markdown(rows: Sequence[dict[str, Any]]) -> str:
     """The trend rows of ``claims.json`` as a table (RESULTS.md's ``<!-- kvprobe:size_trends -->`` block)."""
-    from kvprobe.runner.report import markdown_table
+    from kvprobe.probes.summary import table_markdown as markdown_table
 
     out = []
     for r in rows:
@@ -254,7 +254,7 @@ def dtype_check_markdown(records: Sequence[dict[str, Any]], model: str, run_task
     """The same instances in two dtypes (a reduced-precision run and its full-precision check, matched by instance
     index): per instance the oracle flip and field-only recovery in each, and the largest differences
     (RESULTS' ``<!-- kvprobe:dtype_check MODEL -->`` block)."""
-    from kvprobe.runner.report import markdown_table
+    from kvprobe.probes.summary import table_markdown as markdown_table
 
     def find(task: str) -> dict[str, Any] | None:
         return next((r for r in records if r["model"]["name"] == model and r.get("_task") == task
@@ -282,3 +282,10 @@ def dtype_check_markdown(records: Sequence[dict[str, Any]], model: str, run_task
             f"{max(d_fo, default=float('nan')):.3f}")
     cols = ("instance", "scenario", f"oracle flip, {dt[0]} / {dt[1]} (nats)", "gated", f"field-only, {dt[0]} / {dt[1]}")
     return head + "\n\n" + markdown_table(out, cols)
+
+
+def with_trends(doc: dict[str, Any], records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The claims file with kvprobe's pre-registered trends across model size tested on the same records, under
+    ``trends`` (kvprobe's own predictions, apart from the paper's claims)."""
+    trends = trend_rows(records)
+    return {**doc, "trends": stable(trends)} if trends else doc

@@ -19,7 +19,7 @@ def _as_published(record, model, task="sizes"):
 def test_locality_sizes_cells_by_size_table_and_figure(tiny_generator_dir, tmp_path, monkeypatch):  # noqa: F811
     from kvprobe import trends
     from kvprobe.figures.distance import fig_locality_sizes
-    from kvprobe.runner import report
+    from kvprobe.app import report
 
     # generated families: the tiny tokenizer covers the generator's words, not the template's scenarios
     cfg = load_config("configs/locality_sizes.yaml", {
