@@ -206,6 +206,17 @@ def declared_claims(experiment: str) -> tuple[Claim, ...]:
     return tuple(bind(experiment, c) for c in get_experiment(experiment).claims)
 
 
+def claim_paths(claim: Claim) -> tuple[list[str], list[str]]:
+    """The dotted paths ``claim`` reads: into a row (``a``, ``b``, ``only``, ``competence``, ``exclude``; a row as
+    :func:`claim_rows` gives it, checked against the experiment's ``row_model``) and into the summary (a ``b`` of
+    ``"summary.x"``: ``x``, checked against its ``summary_model``)."""
+    rows, summary = [claim.a], []
+    if isinstance(claim.b, str):
+        (summary if claim.b.startswith("summary.") else rows).append(claim.b.removeprefix("summary."))
+    rows += ([claim.only] if claim.only else []) + list(claim.competence) + [path for path, _ in claim.exclude]
+    return rows, summary
+
+
 def _slope(values: list[float]) -> float | None:
     """OLS slope of ``values`` against their position (per turn); None for fewer than two."""
     if len(values) < 2:
