@@ -65,6 +65,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from kvprobe.competence import CHANCE, COMPETENCE_GATE  # noqa: F401 (their home is kvprobe.competence)
+from kvprobe.competence import measure as measure_competence
 from kvprobe.stats.bootstrap import cluster_means, summarize
 from kvprobe.stats.inference import (ALPHA, bh_fdr, binom_at_least, mcnemar_exact, n_binom_bound, n_mcnemar,
                                      n_paired_t, power_binom_bound, power_mcnemar, power_paired_t, proportion_ci,
@@ -75,8 +77,6 @@ MIN_N = 10  # no verdict but "not measurable" below this many instances ...
 MIN_CLUSTERS = 5  # ... or this many clusters (and no interval is shown below it)
 ACCURACY_MARGIN = 0.03  # the paper's TOST margin for accuracy/agreement in its user-memory protocol (Appendix H)
 KVPROBE_RATE_BOUND = 1 - ACCURACY_MARGIN  # kvprobe's own bound for decision rates (App. H's margin, borrowed)
-COMPETENCE_GATE = 0.80  # kvprobe's gate on full-recompute accuracy (the paper's App. H admits a model at >= 0.80)
-CHANCE = 0.5  # two actions: the full recompute must also be right above chance (exact CI)
 RULE_BEFORE_FIELD = (("rule_at", "before_field"),)  # generated instances with the rule first: not the paper's layout
 MIN_CONTROL_DRAWS = 20  # a random control shared by every instance is averaged over at least this many draws
 RATIO_FLOOR = 0.05  # a share a / b is undefined where |b| is below this (no full-site effect to share)
@@ -206,6 +206,17 @@ def declared_claims(experiment: str) -> tuple[Claim, ...]:
     return tuple(bind(experiment, c) for c in get_experiment(experiment).claims)
 
 
+def claim_paths(claim: Claim) -> tuple[list[str], list[str]]:
+    """The dotted paths ``claim`` reads: into a row (``a``, ``b``, ``only``, ``competence``, ``exclude``; a row as
+    :func:`claim_rows` gives it, checked against the experiment's ``row_model``) and into the summary (a ``b`` of
+    ``"summary.x"``: ``x``, checked against its ``summary_model``)."""
+    rows, summary = [claim.a], []
+    if isinstance(claim.b, str):
+        (summary if claim.b.startswith("summary.") else rows).append(claim.b.removeprefix("summary."))
+    rows += ([claim.only] if claim.only else []) + list(claim.competence) + [path for path, _ in claim.exclude]
+    return rows, summary
+
+
 def _slope(values: list[float]) -> float | None:
     """OLS slope of ``values`` against their position (per turn); None for fewer than two."""
     if len(values) < 2:
@@ -274,25 +285,24 @@ _NOT_DECISIONS = ("cosine", "latency", "rollback", "weights_unchanged")  # measu
 
 
 def competence(claim: Claim, rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
-    """Whether full recompute decides the record's task: right on at least ``COMPETENCE_GATE`` of its decisions
-    and above chance (the exact interval's lower end above ``CHANCE``), over every instance of the record (not
-    only the included ones). None where the claim names no competence measure or reads no decision (a cosine or a
-    latency is not made vacuous by a constant answer)."""
+    """Whether full recompute decides the record's task (:func:`kvprobe.competence.measure`, the one competence
+    measure: right on at least ``COMPETENCE_GATE`` of its decisions and above chance), over every instance of the
+    record (not only the included ones), read from the claim's ``competence`` row paths. None where the claim
+    names no competence measure or reads no decision (a cosine or a latency is not made vacuous by a constant
+    answer)."""
     paths = [p for p in (claim.a, claim.b) if isinstance(p, str)]
     if not claim.competence or all(any(w in p for w in _NOT_DECISIONS) for p in paths):
         return None
     values = [float(_num_or_bool(v)) for r in rows for p in claim.competence if (v := get(r, p)) is not None]
-    if not values:
+    c = measure_competence(values)
+    if c is None:
         return {"competent": False, "n": 0, "reason": "no competence measure in the rows (full recompute's "
                                                        "correctness not recorded)"}
-    n, k = len(values), sum(values)
-    lo, hi = proportion_ci(int(round(k)), n)
-    acc = k / n
-    competent = acc >= COMPETENCE_GATE and lo > CHANCE
-    reason = (f"below the competence gate: full recompute right on {acc:.2f} [{lo:.2f}, {hi:.2f}] of {n} decisions "
-              f"(kvprobe's gate: >= {COMPETENCE_GATE:.2f} and above chance)")
-    return {"competent": competent, "accuracy": acc, "ci_low": lo, "ci_high": hi, "n": n,
-            **({} if competent else {"reason": reason})}
+    n, (lo, hi) = len(values), c.ci
+    reason = (f"below the competence gate: full recompute right on {c.accuracy:.2f} [{lo:.2f}, {hi:.2f}] of {n} "
+              f"decisions (kvprobe's gate: >= {COMPETENCE_GATE:.2f} and above chance)")
+    return {"competent": c.competent, "accuracy": c.accuracy, "ci_low": lo, "ci_high": hi, "n": n,
+            **({} if c.competent else {"reason": reason})}
 
 
 def _clusters(rows: Sequence[dict[str, Any]]) -> list[str]:

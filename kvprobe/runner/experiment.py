@@ -87,6 +87,12 @@ class Experiment:
     # Figures this module draws itself: file stem -> draw(published records of this experiment, path). Figures
     # shared across experiments live in kvprobe/figures/<module>.py (its ``FIGURES``); both are found, not listed.
     figures: dict[str, Callable[[list[dict[str, Any]], Path], None]] = field(default_factory=dict)
+    # The record's typed shape (kvprobe.runner.shapes): the summary, and a row as the claims read it (with the
+    # summary's row_measures). The headline, table, claims and figures read the fields these declare; claims'
+    # dotted paths are checked against ``row_model`` by the tests, and each new summary is completed and checked
+    # against ``summary_model`` by the runner.
+    summary_model: type[BaseModel] | None = None
+    row_model: type[BaseModel] | None = None
 
 
 def _experiments_package() -> Any:
@@ -167,6 +173,25 @@ def record_hash(cfg: RunConfig, params: BaseModel, template_sha: str | None = No
     record, never a silent mix with (or a refusal on) an old one."""
     sha = task_template_sha(cfg) if template_sha is None else template_sha
     return cfg.hash(extra=sha, params=hashed_params(params))
+
+
+def _typed_check(exp: Experiment, summary: dict[str, Any]) -> dict[str, Any]:
+    """The summary in its declared shape (:func:`kvprobe.runner.shapes.complete`: the model's optional fields it
+    lacks written as null), checked against ``exp.summary_model``. A mismatch is a bug the experiment's tests catch;
+    here it is logged and the record still written, since the rows may have taken hours."""
+    from pydantic import ValidationError
+
+    from kvprobe.runner.shapes import complete
+
+    if exp.summary_model is None:
+        return summary
+    summary = complete(exp.summary_model, summary)
+    try:
+        exp.summary_model.model_validate(summary)
+    except ValidationError as exc:
+        log.error("%s: the summary does not match %s.%s: %s", exp.name, exp.summary_model.__module__,
+                  exp.summary_model.__qualname__, exc)
+    return summary
 
 
 def verification_dir(output_dir: str | Path) -> Path:
@@ -287,7 +312,7 @@ def _run_experiment(cfg: RunConfig, overwrite: bool, fresh: bool, lm: ModelLike 
     rows = [writer.done[i.index] for i in instances]
     if progress:  # some summaries make passes of their own (cross-fitting, SAE evaluation): say the run goes on
         tqdm.write(f"{exp.name}: summarizing {len(rows)} instances")
-    summary = exp.summarize(ctx, rows)
+    summary = _typed_check(exp, exp.summarize(ctx, rows))
     t_run = time.perf_counter() - t1
     record = {
         "experiment": exp.name,
