@@ -224,3 +224,5 @@ def fig_locality_sizes(records: list[dict[str, Any]], path: Path) -> None:
 
 
 DISTANCE_FIGURES["fig3a_locality_sizes"] = ("locality_distance", fig_locality_sizes)
+
+FIGURES = DISTANCE_FIGURES  # what kvprobe.figures collects from each of its modules
