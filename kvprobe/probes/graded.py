@@ -90,7 +90,8 @@ def _rows(items: Iterable[tuple[Any, dict[str, Any]]]) -> tuple[list[dict[str, A
 def arms_summary(items: Iterable[tuple[Any, dict[str, dict[str, Any]]]], seed: int = 0,
                  measure: str = "ld") -> dict[str, Any]:
     """Per arm over ``(scenario, {arm: arm_entry})`` pairs: the ``measure``, its error and ``retained`` (mean with
-    a cluster-bootstrap CI by scenario; ``retained`` over the instances where it is defined) and agreement."""
+    a cluster-bootstrap CI by scenario; ``retained`` over the instances where it is defined), agreement and, where
+    the arms carry one, the logit cosine."""
     rows, entries = _rows(items)
     names = list(dict.fromkeys(n for e in entries for n in e))
     out: dict[str, Any] = {}
@@ -102,6 +103,8 @@ def arms_summary(items: Iterable[tuple[Any, dict[str, dict[str, Any]]]], seed: i
             block["retained"] = summarize_column(sub, [a.get("retained") for _, a in have], seed)
         if any("agree" in a for _, a in have):
             block["agreement"] = summarize_column(sub, [a.get("agree") for _, a in have], seed)
+        if any("cosine" in a for _, a in have):
+            block["cosine"] = summarize_column(sub, [a.get("cosine") for _, a in have], seed)
         out[name] = block
     return out
 
