@@ -357,3 +357,19 @@ def test_locomo_controls_and_broken_splices(tmp_path, monkeypatch):
     for g, b in zip(good["rows"], bad["rows"]):
         assert b["far_check"] > 10 * max(g["far_check"], 1e-6)
         assert abs(b["controls"]["no_rotation_far"]["separation"]) < 1e-6
+
+
+APPS = ("memory", "tau2", "twohop_blocks", "agent", "locomo", "edit_in_transplant", "long_horizon", "transplant")
+
+
+@pytest.mark.parametrize("name", APPS)
+def test_committed_records_still_render(name):
+    """Records written before the graded measures render their table and headline unchanged in shape."""
+    from kvprobe.runner.experiment import get_experiment
+    from kvprobe.runner.records import load_records
+
+    exp = get_experiment(name)
+    records = load_records(Path(__file__).parents[1] / "results", name)
+    assert records, name
+    for rec in records:
+        assert exp.table(rec["summary"]) and exp.headline(rec["summary"])
