@@ -286,6 +286,7 @@ def table(s: dict[str, Any]) -> str:
 
 
 EXPERIMENT = Experiment(
+    section="sec6", section_order=2,
     name="agent", doc=__doc__, needs_template=True, params=Params, run_instance=run_instance,
     summarize=summarize_rows, table=table,
     headline=lambda s: table(s).split("\n")[0].split("; ", 1)[1]

@@ -266,6 +266,7 @@ def _diagonal(name: str, **declared: str) -> Claim:
 
 
 EXPERIMENT = Experiment(
+    section="sec6", section_order=1,
     name="edit_in_transplant", doc=__doc__, needs_template=True, params=Params, run_instance=run_instance,
     summarize=summarize_rows, table=table, headline=headline,
     paper=paper_headlines("edit_in_transplant"),

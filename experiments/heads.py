@@ -168,6 +168,7 @@ def headline(s: dict[str, Any]) -> str:
 
 
 EXPERIMENT = Experiment(name="heads", doc=__doc__, params=Params, run_instance=run_instance,
+                        section="appD", section_order=1,
                         summarize=summarize_rows, table=table, headline=headline,
                         paper=paper_headlines("heads"),
                         claims=(near("read_top12_in_range", "top-12 read heads jointly recover in the paper's range", "read_top.12", 0.77,

@@ -129,6 +129,7 @@ def table(s: dict[str, Any]) -> str:
 
 
 EXPERIMENT = Experiment(name="knockout", doc=__doc__, params=Params, run_instance=run_instance,
+                        section="sec3", section_order=4,
                         summarize=summarize_rows, table=table,
                         headline=headline,
                         paper=paper_headlines("knockout"),

@@ -409,6 +409,7 @@ def headline(s: dict[str, Any]) -> str:
 
 PAPER_N = "1,540 answerable questions per model (four models)"
 EXPERIMENT = Experiment(
+    section="sec7", section_order=2,
     name="locomo", doc=__doc__, params=Params, make_instances=make_instances, run_instance=run_instance,
     summarize=summarize_rows, table=table, headline=headline,
     paper=paper_headlines("locomo"),

@@ -220,6 +220,7 @@ def headline(s: dict[str, Any]) -> str:
 
 
 EXPERIMENT = Experiment(name="long_horizon", doc=__doc__, needs_template=True, params=Params, run_instance=run_instance,
+                        section="appG",
                         summarize=summarize_rows, table=table, headline=headline,
                         paper=paper_headlines("long_horizon"),
                         # Per instance, averaged over its turns (the ``*`` step), so turns of one conversation are not counted as

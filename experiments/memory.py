@@ -588,6 +588,7 @@ def headline(s: dict[str, Any]) -> str:
 
 
 EXPERIMENT = Experiment(
+    section="sec7", section_order=1,
     name="memory", doc=__doc__, params=Params, make_instances=make_instances, run_instance=run_instance,
     summarize=summarize_rows, table=table, headline=headline,
     paper=paper_headlines("memory"),

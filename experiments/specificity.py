@@ -99,6 +99,7 @@ def table(s: dict[str, Any]) -> str:
 
 
 EXPERIMENT = Experiment(name="specificity", doc=__doc__, params=Params, run_instance=run_instance,
+                        section="appC", section_order=3,
                         summarize=summarize_rows, table=table, headline=headline,
                         paper=paper_headlines("specificity"),
                         # The paper's specificity control; top-k is ranked on the instances it is scored on, so beating random-k is

@@ -128,6 +128,7 @@ def headline(s: dict[str, Any]) -> str:
 
 
 EXPERIMENT = Experiment(name="suffix", doc=__doc__, params=Params, run_instance=run_instance,
+                        section="sec3", section_order=3,
                         summarize=summarize_rows, table=table, headline=headline,
                         paper=paper_headlines("suffix"),
                         # Fig. 3b's own top-8 (released locality_topk at k = 8): Llama 0.27, Qwen3-8B 0.82, 4B 0.58, 14B 0.43, 32B

@@ -301,6 +301,7 @@ def headline(s: dict[str, Any]) -> str:
 
 
 EXPERIMENT = Experiment(
+    section="sec9",
     name="tau2", doc=__doc__, params=Params, run_instance=run_instance, summarize=summarize_rows,
     make_instances=make_instances, setup=setup, table=table, headline=headline,
     paper=paper_headlines("tau2"),

@@ -338,6 +338,7 @@ def headline(s: dict[str, Any]) -> str:
 
 
 EXPERIMENT = Experiment(name="transplant", doc=__doc__, needs_template=True, params=Params, run_instance=run_instance,
+                        section="sec5",
                         summarize=summarize_rows, setup=setup, table=table, headline=headline,
                         paper=paper_headlines("transplant"),
                         claims=(Claim("skill_agreement", "transplanted skill decides as full recompute (instances the model "

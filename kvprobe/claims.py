@@ -48,7 +48,7 @@ Where our setting differs: the paper states a margin only for its user-memory pr
 recovery (a tenth of the oracle flip), 0.97 for decision rates (``KVPROBE_RATE_BOUND``, App. H's 0.03 margin
 borrowed as kvprobe's bound, beside the paper's own n and interval).
 
-Lineage: each row names its model's training lineage (:mod:`kvprobe.organism.lineage`); successive
+Lineage: each row names its model's training lineage (:mod:`kvprobe.models.lineage`); successive
 fine-tunes of one lineage are one replicate, so agreement among them is reported as "stable across
 fine-tunes", never as replication.
 """
@@ -651,7 +651,7 @@ def _applies(claim: Claim, record: dict[str, Any]) -> bool:
 
 
 def _lineage_fields(model: str) -> dict[str, Any]:
-    from kvprobe.organism.lineage import lineage, lineage_root
+    from kvprobe.models.lineage import lineage, lineage_root
 
     chain = lineage(model)
     return {"lineage": " > ".join(chain), "lineage_root": lineage_root(model),
@@ -805,17 +805,17 @@ def lineage_summary(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]
     return summary
 
 
-def _stable(obj: Any) -> Any:
+def stable(obj: Any) -> Any:
     """Floats rounded to ``DIGITS`` significant digits (last-ulp differences between BLAS runs vanish), tuples as
     lists, NaN as None: claims.json is byte-identical when regenerated."""
     if isinstance(obj, float):
         return None if not math.isfinite(obj) else float(f"{obj:.{DIGITS}g}")
     if isinstance(obj, dict):
-        return {k: _stable(v) for k, v in obj.items()}
+        return {k: stable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_stable(v) for v in obj]
+        return [stable(v) for v in obj]
     if isinstance(obj, (np.floating, np.integer)):
-        return _stable(obj.item())
+        return stable(obj.item())
     return obj
 
 
@@ -896,7 +896,7 @@ def claims_document(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         lineages.setdefault(r["model"], {"chain": r.get("lineage", r["model"]),
                                          "root": r.get("lineage_root", r["model"])})
         slim.append(_slim_row(cid, r))
-    return _stable({"alpha": ALPHA, "min_n": MIN_N, "min_clusters": MIN_CLUSTERS,
+    return stable({"alpha": ALPHA, "min_n": MIN_N, "min_clusters": MIN_CLUSTERS,
                     "correction": "Benjamini-Hochberg (fdr_bh) within two families: paper effects; controls",
                     "tests": "on cluster (scenario) means whenever clusters < instances; a positive verdict needs "
                              "q < alpha and the shown 95% interval on the paper's side of every bound",
@@ -931,8 +931,10 @@ def expanded_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
         kind = row.get("kind")
         row.setdefault("status", kind if kind in ("identity", "describe") else
                        "tested" if row.get("p") is not None else "untested")
-        if slim.get("record"):
-            row["record"] = f"results/{experiment}/{slim['model']}/{slim['record']}.json"
+        if slim.get("record"):  # the record's folder is the model's slug (a Hugging Face id's or a path's last part)
+            from kvprobe.runner.records import model_slug
+
+            row["record"] = f"results/{experiment}/{model_slug(slim['model'])}/{slim['record']}.json"
         out.append(row)
     return out
 
@@ -944,7 +946,7 @@ def read_claims(path: str | Path) -> list[dict[str, Any]]:
     return expanded_rows(json.loads(Path(path).read_text()))
 
 
-def _write_document(path: Path, doc: dict[str, Any]) -> None:
+def write_document(path: Path, doc: dict[str, Any]) -> None:
     """Atomically, compact JSON with one claims row per line (small, and a diff shows which rows changed)."""
     import json
     import os
@@ -967,10 +969,12 @@ def _write_document(path: Path, doc: dict[str, Any]) -> None:
 
 def write_claims(results_dir: str | Path = "results", out: str | Path | None = None
                  ) -> tuple[Path, list[dict[str, Any]]]:
-    """Evaluate every claim and write them to ``<results>/claims.json`` (a pure function of the records)."""
-    rows = load_claims(results_dir)
+    """Evaluate every claim and write them to ``<results>/claims.json`` (a pure function of the records; `kvprobe
+    claims` adds kvprobe's trends across size, :func:`kvprobe.trends.with_trends`)."""
+    records = claim_records(results_dir)
+    rows = claims_rows(records)
     path = Path(out) if out else Path(results_dir) / "claims.json"
-    _write_document(path, claims_document(rows))
+    write_document(path, claims_document(rows))
     return path, rows
 
 
@@ -989,40 +993,3 @@ def summary_counts(rows: Sequence[dict[str, Any]]) -> dict[str, int]:
         head = f"{r.get('role') or 'control'}: " + r["verdict"].split(" (")[0]
         counts[head] = counts.get(head, 0) + 1
     return dict(sorted(counts.items()))
-
-
-def _cmd_claims(args: Any) -> int:
-    from kvprobe.errors import KVProbeError
-
-    rows = load_claims(args.results)
-    if not rows:  # evaluated before anything is written: a failing call leaves no claims.json
-        raise KVProbeError(f"no records with declared claims under {args.results}/ (run an experiment first)")
-    path = Path(args.out) if args.out else Path(args.results) / "claims.json"
-    _write_document(path, claims_document(rows))
-    if args.table:
-        print(markdown(rows) + "\n")
-    for h in headline(rows).values():
-        print(h["text"])
-    for key, s in lineage_summary(rows).items():
-        print(f"{key}: reproduced in {s['independent_lineages']} independent lineage(s): {s['reading']}")
-    print("\n" + ", ".join(f"{k}: {v}" for k, v in summary_counts(rows).items()))
-    print(f"claims: {path}" + ("" if args.table else " (every row with its test: --table, or the pages under "
-                                                     "docs/results/)"))
-    if args.figure:
-        from kvprobe.figures import claims as claims_figure  # noqa: F401  (sets the Agg backend first)
-
-        figure = Path(args.figure)
-        figure.parent.mkdir(parents=True, exist_ok=True)
-        claims_figure.fig_claims(claim_records(args.results), figure, rows)
-        print(f"figure: {figure}")
-    return 0
-
-
-def register(sub: Any) -> None:
-    """The ``kvprobe claims`` sub-command (registered from kvprobe.runner.extra_commands)."""
-    p = sub.add_parser("claims", help="test every declared paper claim on the newest records; write the table")
-    p.add_argument("--results", default="results")
-    p.add_argument("--out", help="where the claims JSON goes (default: <results>/claims.json)")
-    p.add_argument("--figure", default="figures/claims_forest.png", help="claims figure path ('' for none)")
-    p.add_argument("--table", action="store_true", help="also print every row with its test, p, q and verdict")
-    p.set_defaults(func=_cmd_claims)

@@ -292,6 +292,7 @@ def test_claims_figure_renders(tmp_path, monkeypatch):
     from kvprobe.runner import experiment as experiment_module
 
     class Fake:
+        section, section_order = "sec3", 0
         claims = (declared(near("z", "x ~ 0", "x", 0.0, role="effect"), "0", 0.0), declared(near("y", "y ~ 0", "y", 0.0, role="control"), "0", 0.0))
 
     monkeypatch.setattr(experiment_module, "available_experiments", lambda: {"fake": "fake"})
@@ -372,6 +373,7 @@ def test_headline_counts_effects_only_and_bh_runs_within_each_role(monkeypatch):
     from kvprobe.runner import experiment as experiment_module
 
     class Fake:
+        section, section_order = "sec3", 0
         claims = (declared(near("z", "x ~ 0", "x", 0.0, role="effect"), "0", 0.0, location="Sec. 3", paper_n="12"),
                   declared(near("y", "y ~ 0", "y", 0.0, role="control"), "0", 0.0, location="App. D"),
                   Claim("d", "described", "describe", "x", role="effect", location="Fig. 3d", paper_n="36", paper="no number"))
@@ -391,7 +393,7 @@ def test_headline_counts_effects_only_and_bh_runs_within_each_role(monkeypatch):
 
 
 def test_lineage_follows_the_cards_init_from_chain():
-    from kvprobe.organism.lineage import lineage, lineage_root
+    from kvprobe.models.lineage import lineage, lineage_root
 
     chain = lineage("smollm2-135m-gated-v3n2-seed2")
     assert chain[0] == "smollm2-135m" and chain[-1] == "smollm2-135m-gated-v3n2-seed2"

@@ -15,7 +15,7 @@ from kvprobe.patching.pairs import Anchors, PairPrefill
 from kvprobe.patching.sites import Site
 from kvprobe.probes import Case, sweep_logits
 from kvprobe.probes.heads import kv_head_of, query_group, read_patch, write_heads, write_patch
-from kvprobe.runner.cli import main
+from kvprobe.app.cli import main
 from kvprobe.tasks.gated import TokenizedPair
 
 

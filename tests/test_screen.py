@@ -126,7 +126,7 @@ def test_two_choice_read_is_the_teacher_forced_log_probability(tiny_screen):
 
 
 def test_screen_end_to_end_on_every_task(tiny_screen, tmp_path):
-    from kvprobe.runner.cli import main
+    from kvprobe.app.cli import main
 
     model, zpath = tiny_screen
     assert main(["run", "configs/screen.yaml", "--model", str(model), "--output-dir", str(tmp_path), "--set",

@@ -8,7 +8,7 @@ from kvprobe.metrics import logit_diff
 from kvprobe.models.loading import load_model
 from kvprobe.patching.pairs import measure, prefill_pair
 from kvprobe.patching.ranking import rank_downstream
-from kvprobe.runner.cli import main
+from kvprobe.app.cli import main
 from kvprobe.tasks.gated import generate_instances, tokenize_pair
 
 

@@ -112,3 +112,10 @@ def format_recovery_table(summary: dict[str, Any], keys: Sequence[str]) -> str:
 
         lines.append(f"{key:<18}{cell(r['gated']):<36}{cell(r['all']):<36}")
     return "\n".join(lines)
+
+
+def table_markdown(rows: Sequence[Sequence[str]], columns: Sequence[str]) -> str:
+    """A markdown table (a ``|`` inside a cell becomes ``/``), for the report and the blocks beside the records."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
