@@ -272,8 +272,13 @@ EXPERIMENT = Experiment(
     paper=paper_headlines("edit_in_transplant"),
     claims=(
         _diagonal("in_place", role="effect"),
+        _diagonal("selective@32", role="effect"),
         _diagonal("erratum", role="effect"),
         _diagonal("field_erratum", role="effect"),
+        # the selective arm: the study runs selective_k at its default on both organisms
+        Claim("diagonal_recovery_selective_32", "composed recovery equals normal under selective@32", "equivalent",
+              "composed.selective@32.recovery", "normal.selective@32.recovery",
+              bounds=(-RECOVERY_MARGIN, RECOVERY_MARGIN), role="effect", competence=("oracle_correct",)),
         Claim("composed_erratum_beats_in_place", "inside a transplant, erratum beats in_place P(correct)", "greater", "composed.erratum.correct",
               "composed.in_place.correct", role="effect", competence=("oracle_correct",)),
         Claim("no_rotation_control", "the rotated chunk decides as normal more often than the unrotated one", "greater", "agree.erratum", "agree.no_rotation_erratum",
