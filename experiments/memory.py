@@ -17,8 +17,8 @@ notes; the request is allowed only if every relevant setting is enabled, an AND;
   no-rotation control (keys left at their isolated positions) on the same instances.
 - E4 granularity: the memory cut at line boundaries into S independently precompiled blocks (S from
   ``blocks``); agreement and cosine against S; the relevant facts lie contiguous or split (``layouts``),
-  crossed with the label (instance i takes ``layouts[(i // 2) % n]``, the label alternates with i); the edit
-  cost per S is one block's tokens over the memory's.
+  crossed with the label (instance i takes ``layouts[(i // layout_period) % n]``, period 2 by default; the label
+  alternates with i); the edit cost per S is one block's tokens over the memory's.
 - E3 edit: one relevant stored fact toggled (the decision flips) over the spliced (seam 1) cache: stale,
   in_place (the value's tokens recomputed), erratum (a ``[MEMORY UPDATE]`` line appended after the memory,
   the cache reused up to it) and field+erratum, each read directly and after the chain (``modes``);
@@ -86,7 +86,12 @@ class Params(BaseModel):
     blocks: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16], description="E4: numbers of blocks S")
     layouts: list[str] = Field(default_factory=lambda: ["contiguous", "split"],
                                description="relevant facts contiguous or split, crossed with the label (which "
-                                           "alternates with i): instance i takes layouts[(i // 2) % n]")
+                                           "alternates with i): instance i takes layouts[(i // layout_period) % n]")
+    # Resolved into the record hash on purpose (not hash-neutral): records written before it gave instance i
+    # layouts[i % 2], so every contiguous instance was 'allow' and every split one 'refuse'; the crossed design
+    # must not share their name.
+    layout_period: int = Field(2, ge=2, description="E4: instances per layout before the next one (even: each "
+                                                    "layout meets both labels equally often)")
     edit: bool = Field(True, description="run E3 (toggle one stored fact)")
     modes: list[str] = Field(default_factory=lambda: ["direct", "chain"],
                              description="E1 and E3: decide directly and/or after a greedy chain")
@@ -108,6 +113,13 @@ class Params(BaseModel):
     @classmethod
     def _controls(cls, v: list[str]) -> list[str]:
         return pick(v, list(CONTROLS), "controls")
+
+    @field_validator("layout_period")
+    @classmethod
+    def _layout_period(cls, v: int) -> int:
+        if v % 2:
+            raise ValueError(f"layout_period must be even (the label alternates with i), got {v}")
+        return v
 
     @field_validator("modes")
     @classmethod
@@ -149,7 +161,8 @@ def make_instances(ctx: Context) -> list[Any]:
     # the label alternates with i (persona_instance): the layout changes every two instances, so each layout
     # meets both labels (layouts[i % n] would make contiguous always 'allow' and split always 'refuse')
     return [persona_instance(i, ctx.cfg.seed, p.n_lines, n_relevant=p.n_relevant,
-                             layout=p.layouts[(i // 2) % len(p.layouts)]) for i in range(ctx.cfg.task.n_instances)]
+                             layout=p.layouts[(i // p.layout_period) % len(p.layouts)])
+            for i in range(ctx.cfg.task.n_instances)]
 
 
 def _cuts(starts: list[int], s: int) -> list[int]:
