@@ -81,6 +81,10 @@ RULE_BEFORE_FIELD = (("rule_at", "before_field"),)  # generated instances with t
 MIN_CONTROL_DRAWS = 20  # a random control shared by every instance is averaged over at least this many draws
 RATIO_FLOOR = 0.05  # a share a / b is undefined where |b| is below this (no full-site effect to share)
 DIGITS = 4  # significant digits written to claims.json: the file is byte-identical across runs and BLAS builds
+# A must-fail control (a stale cache, a chunk spliced without re-rotation at a large offset, a wrong memory) beside its
+# treatment: kvprobe's own margins, never the paper's (its no-rotation collapse has no LD-error counterpart).
+SEPARATION_MARGIN = 0.25  # nats: the control's LD error minus the treatment's (half the inclusion rule's 0.5-nat flip)
+RETAINED_MARGIN = 0.5  # the treatment's field effect retained minus the control's (half of full recompute's effect)
 Kind = Literal["equivalent", "greater", "at_least", "agrees", "identity", "describe"]
 Role = Literal["effect", "control"]
 
