@@ -45,6 +45,7 @@ from kvprobe.claims import MIN_CLUSTERS, MIN_N, RECOVERY_MARGIN, stable
 Direction = Literal["rises", "falls", "flat"]
 Measure = Literal["gate", "field_only"]
 MIN_PER_SIZE = 5  # a size enters a trend only with at least this many units (gated instances for field-only)
+DTYPE_CHECK_TASK = "dtype_check"  # the study task of a reduced-precision run's full-precision check
 SIZES_TASK = "sizes"  # the study task of the cross-size locality grid (configs/locality_sizes.yaml); "sizes_*" too
 
 
@@ -68,6 +69,13 @@ class Trend:
 def matches(row: dict[str, Any], where: Sequence[tuple[str, Any]]) -> bool:
     """Every (field, value) holds; a tuple value means "one of"."""
     return all(row.get(k) in v if isinstance(v, tuple) else row.get(k) == v for k, v in where)
+
+
+def in_size_grid(experiment: str, task: str) -> bool:
+    """Whether a run belongs to the cross-size grid (its parts ``sizes_*`` and the dtype check): these have their own
+    table (the ``locality_sizes`` block) and stay out of the section tables."""
+    return experiment == "locality_distance" and (task == SIZES_TASK or task.startswith(SIZES_TASK + "_")
+                                                  or task == DTYPE_CHECK_TASK)
 
 
 def size_records(records: Sequence[dict[str, Any]], task: str = SIZES_TASK, kinds: Sequence[str] = ("pretrained",)
@@ -250,7 +258,7 @@ def trends_markdown(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def dtype_check_markdown(records: Sequence[dict[str, Any]], model: str, run_task: str = SIZES_TASK,
-                         check_task: str = "dtype_check") -> str:
+                         check_task: str = DTYPE_CHECK_TASK) -> str:
     """The same instances in two dtypes (a reduced-precision run and its full-precision check, matched by instance
     index): per instance the oracle flip and field-only recovery in each, and the largest differences
     (RESULTS' ``<!-- kvprobe:dtype_check MODEL -->`` block)."""

@@ -175,13 +175,15 @@ STUDY_COLUMNS = ("model", "task", "included / all", "oracle flip median (nats)",
                  "paper")
 
 
-def study_rows(results_dir: str | Path, experiments: Sequence[str]) -> list[list[str]]:
-    """One row per published record of ``experiments`` (experiment, task, model), in study order."""
+def study_rows(results_dir: str | Path, experiments: Sequence[str],
+               skip: Callable[[str, str], bool] | None = None) -> list[list[str]]:
+    """One row per published record of ``experiments`` (experiment, task, model), in study order, leaving out the
+    runs for which ``skip(experiment, task)`` holds."""
     rows = []
     for name in experiments:
         exp = get_experiment(name)
         for rec in published(results_dir):
-            if rec["experiment"] != name:
+            if rec["experiment"] != name or (skip is not None and skip(name, rec["_task"])):
                 continue
             gated, flip = gate_cells(rec["summary"])
             headline = exp.headline(rec["summary"]) if exp.headline else "(no headline defined)"
