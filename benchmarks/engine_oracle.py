@@ -29,8 +29,8 @@ import torch
 from kvprobe.backends.llamacpp import LlamaCppEngine
 from kvprobe.kv.engine_oracle import (ENGINE_BATCH, NOISE_BATCHES, OPERATIONS, OPS, VARIANTS, EffectCheck,
                                       compare_instance, edit_effect, engine_check, judge)
-from kvprobe.models.gguf_export import export_organism_gguf
-from kvprobe.models.loading import gguf_path, load_model
+from kvprobe.models.gguf_export import export_organism_gguf, gguf_path
+from kvprobe.models.loading import load_model
 from kvprobe.runner.bench import BenchOutput
 from kvprobe.tasks.gated import generate_instances, load_template
 

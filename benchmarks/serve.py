@@ -90,7 +90,7 @@ def inprocess_baseline(model: str, n_ctx: int, threads: int) -> Iterator[tuple[T
     """kvprobe's in-process server over llama-cpp-python: the labelled baseline (its cache is kvprobe's)."""
     from kvprobe.backends.llamacpp import LlamaCppEngine
     from kvprobe.backends.server import PrefixCachingEngine, make_server
-    from kvprobe.models.loading import gguf_path
+    from kvprobe.models.gguf_export import gguf_path
 
     # f16 cache cells (llama.cpp's default, what a server runs); the oracle tests use f32
     with LlamaCppEngine(gguf_path(model), n_ctx=n_ctx, n_threads=threads, f32_cache=False) as eng:
@@ -109,7 +109,7 @@ def inprocess_baseline(model: str, n_ctx: int, threads: int) -> Iterator[tuple[T
 def llama_server(model: str, ctx_per_slot: int, args: argparse.Namespace) -> Iterator[tuple[Target, str, dict]]:
     """llama.cpp's ``llama-server`` as a separate process on 127.0.0.1, stopped when the block exits."""
     from kvprobe.backends.llama_server import LlamaServer, locate_llama_server
-    from kvprobe.models.loading import gguf_path
+    from kvprobe.models.gguf_export import gguf_path
 
     binary = locate_llama_server(args.server_bin)
     gguf = gguf_path(model)

@@ -102,7 +102,7 @@ def main() -> None:
     engine = None
     if args.engine:
         from kvprobe.backends.llamacpp import LlamaCppEngine
-        from kvprobe.models.loading import gguf_path
+        from kvprobe.models.gguf_export import gguf_path
 
         # the request sequence (head + chunk + suffix) and the precompiled chunk's own sequence share one pool
         n_ctx = 2 * max(args.lengths) + 2 * (len(head) + len(suffix)) + 64

@@ -20,6 +20,15 @@ change re-prefills the policy. Both are prompts of their own (the same token seg
 section headers), each compared with its own full recompute; their decisions and prefilled tokens are
 reported beside the unified path's.
 
+Graded measures and must-fail controls (:mod:`kvprobe.probes.graded`): per turn, the two-action LD (right minus
+wrong action, nats) of full recompute and of the unified cache and its distance from full recompute's; from turn 2
+on, the *field effect retained* (the change in LD(new action - old) from the previous turn under the unified
+cache over the same under full recompute), which reads even where every decision is the same. The ``frozen``
+control (the first turn's cache reused every turn, never given the errata: the stale-cache bug; retained 0) is
+read beside the unified path on every later turn, with the separation (LD error, retained) and its cluster CI.
+``controls: [no_rotation_far]`` adds the unified path with the whole trajectory moved ``far_offset`` positions up,
+the policy re-rotated there (``unified_far``) and not (``no_rotation_far``, the must-fail control).
+
 Where our setting differs: small CPU models, the gated template's policy (~400 tokens) rather than the
 paper's ~2k-token memories, and ``task.n_instances`` scenarios (one domain each, the clusters) x ``turns``
 decisions per model on a shared CPU (the record states the n).
@@ -32,12 +41,16 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvprobe.backends import HookableModel
-from kvprobe.claims import ACCURACY_MARGIN, Claim
+from kvprobe.claims import ACCURACY_MARGIN, RETAINED_MARGIN, SEPARATION_MARGIN, Claim
 from kvprobe.kv.compose import Live, Spliced, assemble, precompile
 from kvprobe.kv.edit import EditResult, append_edit
-from kvprobe.kv.readout import prefill, read_logits
+from kvprobe.kv.readout import prefill
 from kvprobe.metrics import logit_cosine
+from kvprobe.probes.decision import read_actions
+from kvprobe.probes.graded import (FAR_OFFSET, arm_entry, arms_summary, control_entry, controls_headline,
+                                   controls_summary, far_check, field_effect_retained, graded_lines, pick)
 from kvprobe.probes.summary import ci_cell
+from kvprobe.schema import hash_neutral
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.stats.inference import summarize_proportion
 from kvprobe.tasks.edits import decision_offset, erratum_body, erratum_line, prompt_ids
@@ -46,6 +59,7 @@ from kvprobe.paper import headlines as paper_headlines
 
 
 BASELINES = ("front", "end")
+CONTROLS = ("no_rotation_far",)  # opt-in must-fail controls (the frozen cache is always read: it costs nothing)
 
 
 class Params(BaseModel):
@@ -53,6 +67,16 @@ class Params(BaseModel):
     turns: int = Field(3, ge=1, le=30, description="decisions per instance; the field toggles every turn")
     baselines: list[str] = Field(default_factory=lambda: list(BASELINES),
                                  description="placement baselines: front and/or end (in-place field, prefix cache)")
+
+    controls: list[str] = hash_neutral([], description="opt-in must-fail controls: no_rotation_far (the trajectory "
+                                       "moved far_offset positions up, the policy not re-rotated)")
+    far_offset: int = hash_neutral(FAR_OFFSET, ge=2000, description="no_rotation_far: the trajectory moved this many "
+                                   "positions up (the policy lands >= this far from where it was precompiled)")
+
+    @field_validator("controls")
+    @classmethod
+    def _controls(cls, v: list[str]) -> list[str]:
+        return pick(v, CONTROLS, "controls")
 
     @field_validator("baselines")
     @classmethod
@@ -71,14 +95,20 @@ def turn_prompts(ctx: Context, inst: Any, turns: int) -> list[tuple[list[int], s
             for t in range(turns)]
 
 
-def agent_turns(lm: HookableModel, prompts: list[list[int]], policy: tuple[int, int]) -> list[Any]:
+def agent_turns(lm: HookableModel, prompts: list[list[int]], policy: tuple[int, int], start: int = 0,
+                rotate: bool = True, compiled: Any = None) -> list[Any]:
     """The unified path: the first turn composes the precompiled policy; each later turn appends its delta to
-    the previous turn's cache. Returns each turn's EditResult (state, query suffix, recomputed tokens)."""
+    the previous turn's cache. Returns each turn's EditResult (state, query suffix, recomputed tokens).
+    ``start`` moves the trajectory up; ``rotate`` False leaves the policy's keys at their isolated positions;
+    ``compiled`` (a dict) keeps the policy's isolated prefill across calls."""
     p0, p1 = policy
     first = prompts[0]
     chunk = first[p0:p1]
-    state = assemble(lm, [Live(tuple(first[:p0])), Spliced(tuple(chunk), precompile(lm, chunk)),
-                          Live(tuple(first[p1:-1]))])
+    compiled = {} if compiled is None else compiled
+    if tuple(chunk) not in compiled:
+        compiled[tuple(chunk)] = precompile(lm, chunk)
+    state = assemble(lm, [Live(tuple(first[:p0])), Spliced(tuple(chunk), compiled[tuple(chunk)], rotate=rotate),
+                          Live(tuple(first[p1:-1]))], start)
     out = [EditResult(state, first[-1:], len(first) - 1 - len(chunk), len(first) - 1,
                       detail={"reused_tokens": 0, "appended_tokens": len(first) - 1 - len(chunk)})]
     cached, cached_ids = state, first[:-1]
@@ -119,19 +149,24 @@ def prefix_cache_turns(lm: HookableModel, prompts: list[list[int]]) -> list[Any]
 
 
 def _read(lm: HookableModel, state: Any, suffix: list[int], right: int, wrong: int) -> tuple[bool, Any]:
-    lg = read_logits(lm, state, suffix)[0]
-    return bool(lg[right] > lg[wrong]), lg
+    r = read_actions(lm, state, suffix, (right, wrong))
+    return r.ld() > 0, r
 
 
 def run_instance(ctx: Context, inst: Any) -> dict[str, Any]:
-    lm, tpl = ctx.lm, ctx.template
-    turns = turn_prompts(ctx, inst, ctx.params.turns)
+    lm, tpl, p = ctx.lm, ctx.template, ctx.params
+    turns = turn_prompts(ctx, inst, p.turns)
     ids0, cuts = segment_prompt(lm.tokenizer, inst, inst.old_value, lm.has_chat_template,
                                 [tpl.policy_header, tpl.tools_header])
     prompts = [ids for ids, _ in turns]
     if prompts[0][: cuts[1]] != ids0[: cuts[1]]:
         raise ValueError(f"instance {inst.index}: the turn prompt and the segmented prompt differ before the tools")
-    results = agent_turns(lm, prompts, (cuts[0], cuts[1]))
+    compiled: dict[tuple[int, ...], Any] = {}
+    results = agent_turns(lm, prompts, (cuts[0], cuts[1]), compiled=compiled)
+    far = {}
+    if "no_rotation_far" in p.controls:  # the trajectory moved far up: the policy re-rotated there, and not
+        far = {name: agent_turns(lm, prompts, (cuts[0], cuts[1]), p.far_offset, rotate, compiled)
+               for name, rotate in (("unified_far", True), ("no_rotation_far", False))}
     text, special = instance_prompt(lm.tokenizer, inst, inst.old_value, lm.has_chat_template)
     acts = {a: action_token(lm.tokenizer, ids0, text, a, special) for a in (inst.old_action, inst.new_action)}
     values = [value for _, value in turns]
@@ -143,9 +178,16 @@ def run_instance(ctx: Context, inst: Any) -> dict[str, Any]:
         full_right, full = _read(lm, prefill(lm, ids[:-1]), ids[-1:], right, wrong)
         unified_right, unified = _read(lm, res.state, res.suffix_ids, right, wrong)
         row = {"turn": t + 1, "value": value, "agree": unified_right == full_right, "full_correct": full_right,
-               "unified_correct": unified_right, "cosine": float(logit_cosine(unified, full)),
+               "unified_correct": unified_right, "cosine": float(logit_cosine(unified.logits[0], full.logits[0])),
                "n_tokens": len(ids) - 1, "unified_prefilled": res.recomputed_tokens,
-               "reprefill_prefilled": len(ids) - 1}
+               "reprefill_prefilled": len(ids) - 1, "full_ld": full.ld(), "unified_ld": unified.ld()}
+        # the frozen cache: the first turn's, never given the errata (the stale-cache bug)
+        lds = {"unified": unified.ld(), "frozen": _read(lm, results[0].state, results[0].suffix_ids, right, wrong)[1].ld()}
+        for name, fres in far.items():
+            lds[name] = _read(lm, fres[t].state, fres[t].suffix_ids, right, wrong)[1].ld()
+        row["graded"] = {n: arm_entry(ld, full.ld(), agree=(ld > 0) == full_right) for n, ld in lds.items()}
+        if far:
+            row["far_check"] = far_check(lds["unified_far"], lds["unified"])
         for b, (ps, bres) in placed.items():
             b_cached, _ = _read(lm, bres[t].state, bres[t].suffix_ids, right, wrong)
             row[b] = {"correct": b_cached, "agree_unified": b_cached == unified_right,
@@ -153,12 +195,30 @@ def run_instance(ctx: Context, inst: Any) -> dict[str, Any]:
             if t == len(turns) - 1 and t > 0:  # the most-reused cache checked against its full recompute (CPU)
                 row[b]["agree"] = b_cached == _read(lm, prefill(lm, ps[t][:-1]), ps[t][-1:], right, wrong)[0]
         rows.append(row)
+    _retained(rows, inst)
     policy_tokens = cuts[1] - cuts[0]
     unified_total = sum(r["unified_prefilled"] for r in rows)
     return {**inst.row(), "policy_tokens": policy_tokens, "turns": rows, "all_agree": all(r["agree"] for r in rows),
             "prefill_ratio": sum(r["reprefill_prefilled"] for r in rows) / unified_total,
             "baseline_prefill_ratio": {b: sum(r[b]["prefilled"] for r in rows) / unified_total for b in placed},
             "baseline_last_turn_agree": {b: rows[-1][b]["agree"] for b in placed if "agree" in rows[-1][b]}}
+
+
+def _retained(rows: list[dict[str, Any]], inst: Any) -> None:
+    """From turn 2 on: each arm's field effect retained (the change in LD(new action - old) from the previous turn,
+    under the arm's caches, over the same under full recompute), and the controls beside their treatments."""
+    def fixed(r: dict[str, Any], ld: float) -> float:  # right - wrong -> new action - old action
+        return ld if r["value"] == inst.new_value else -ld
+
+    for prev, r in zip(rows, rows[1:]):
+        full_new, full_old = fixed(r, r["full_ld"]), fixed(prev, prev["full_ld"])
+        for name, a in r["graded"].items():
+            ret = field_effect_retained(fixed(r, a["ld"]), fixed(prev, prev["graded"][name]["ld"]), full_new, full_old)
+            if ret is not None:
+                a["retained"] = ret
+        r["controls"] = {"frozen": control_entry("unified", r["graded"], "frozen")}
+        if "no_rotation_far" in r["graded"]:
+            r["controls"]["no_rotation_far"] = control_entry("unified_far", r["graded"], "no_rotation_far")
 
 
 def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -184,7 +244,22 @@ def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
                                                      for k in range(len(rows[0]["turns"]))]}
                           for b in (rows[0]["turns"][0].keys() & set(BASELINES))},
             "unified_prefilled_per_turn": [sum(r["turns"][k]["unified_prefilled"] for r in rows) / len(rows)
-                                           for k in range(len(rows[0]["turns"]))]}
+                                           for k in range(len(rows[0]["turns"]))],
+            **_graded_summary(ctx, rows)}
+
+
+def _graded_summary(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Graded measures over every turn, and the controls over turns 2.. (clusters: the instance's scenario)."""
+    turns = [(r["scenario"], t) for r in rows for t in r["turns"]]
+    out: dict[str, Any] = {}
+    if any("graded" in t for _, t in turns):
+        out["graded"] = arms_summary([(s, t["graded"]) for s, t in turns if "graded" in t], ctx.cfg.seed)
+    if any("controls" in t for _, t in turns):
+        out["controls"] = controls_summary([(s, t["controls"]) for s, t in turns if "controls" in t], ctx.cfg.seed)
+        far = [t["far_check"] for _, t in turns if "far_check" in t]
+        if far:
+            out["far_check_max"] = max(far)
+    return out
 
 
 def table(s: dict[str, Any]) -> str:
@@ -201,12 +276,21 @@ def table(s: dict[str, Any]) -> str:
         out += (f"\n  {b} placement (in-place field, prefix cache): accuracy {ci_cell(x['accuracy'])}, last turn's "
                 f"agreement with its full recompute {ci_cell(x['agreement_last_turn'])}, with the unified decision "
                 f"{ci_cell(x['agreement_with_unified'])}; prefilled tokens over unified {x['prefill_ratio_mean']:.2f}x")
+    if "graded" in s:
+        out += ("\n  graded per turn vs full recompute (field effect retained from turn 2: the LD change since the "
+                "previous turn over full recompute's)" + (f"; the re-rotated policy moved far up vs in place: max |dLD| "
+                                                         f"{s['far_check_max']:.1e} (~0 if exact)"
+                                                         if "far_check_max" in s else "") + ":\n")
+        out += "\n".join(graded_lines(s["graded"], s.get("controls"), "  "))
     return out
 
 
 EXPERIMENT = Experiment(
+    section="sec6", section_order=2,
     name="agent", doc=__doc__, needs_template=True, params=Params, run_instance=run_instance,
-    summarize=summarize_rows, table=table, headline=lambda s: table(s).split("\n")[0].split("; ", 1)[1],
+    summarize=summarize_rows, table=table,
+    headline=lambda s: table(s).split("\n")[0].split("; ", 1)[1]
+    + (f"; {controls_headline(s['controls'])}" if s.get("controls") else ""),
     paper=paper_headlines("agent"),
     claims=(
         Claim("agent_agreement", "the unified agent decides as full recompute every turn", "at_least", "all_agree", bound=1 - ACCURACY_MARGIN,
@@ -215,4 +299,13 @@ EXPERIMENT = Experiment(
               "as its own full recompute on the last turn",
               "at_least", "baseline_last_turn_agree.front", bound=1 - ACCURACY_MARGIN, gated=False,
               role="control", competence=("turns.*.full_correct",)),
+        # Must-fail controls beside the unified path, graded (no competent model needed; per instance, averaged over
+        # turns 2..), by kvprobe's own margins: the frozen cache (never given the errata) retains 0 by construction.
+        Claim("agent_frozen_retained_separation", "the unified cache retains more of full recompute's turn-to-turn "
+              f"response to the errata than a frozen cache, by more than kvprobe's margin ({RETAINED_MARGIN})",
+              "greater", "turns.*.controls.frozen.retained_separation", RETAINED_MARGIN, gated=False, role="control"),
+        Claim("agent_far_rotation_separation", "the policy spliced without re-rotation >= 2,000 positions from its "
+              "precompile is further from full recompute's LD than the re-rotated policy there, by more than "
+              f"kvprobe's margin ({SEPARATION_MARGIN} nats)", "greater",
+              "turns.*.controls.no_rotation_far.separation", SEPARATION_MARGIN, gated=False, role="control"),
     ))

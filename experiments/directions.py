@@ -359,6 +359,7 @@ def headline(s: dict[str, Any]) -> str:
 
 
 EXPERIMENT = Experiment(name="directions", doc=__doc__, params=Params, run_instance=run_instance,
+                        section="appD", section_order=4,
                         summarize=summarize_rows, make_instances=_make_instances, table=table, headline=headline,
                         paper=paper_headlines("directions"),
                         claims=tuple(c for stem in ("gated", "polarity") for c in (

@@ -59,6 +59,7 @@ def claims_on(template: str) -> tuple[Claim, ...]:
 
 
 EXPERIMENT = Experiment(name="dissociation", doc=__doc__, run_instance=run_instance, summarize=summarize_rows,
+                        section="appC", section_order=1,
                         make_instances=polarity_instances, table=lambda s: format_recovery_table(s, STATES),
                         headline=lambda s: headline_stats(s, "recovery", {"trigger_only": "trigger-only",
                                                                         "notes": "notes"}),

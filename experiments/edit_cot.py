@@ -119,6 +119,7 @@ def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 EXPERIMENT = Experiment(name="edit_cot", doc=__doc__, params=Params, run_instance=run_instance,
+                        section="sec4",
                         summarize=summarize_rows, table=lambda s: format_methods_table(s, list(s["methods"])),
                         headline=lambda s: methods_headline(s),
                         paper=paper_headlines("edit_cot"),

@@ -133,6 +133,7 @@ def table(summary: dict[str, Any]) -> str:
 
 
 EXPERIMENT = Experiment(name="edit_frontier", doc=__doc__, params=Params, run_instance=run_instance,
+                        section="appE",
                         summarize=summarize_rows, table=table,
                         headline=lambda s: methods_headline(s, [n for n in s["methods"] if not n.startswith("selective@")])
                         + f"; K* (selective@K recovery >= 0.9) {s['k_star']}",

@@ -30,8 +30,10 @@ from kvprobe.probes.heads import (kv_head_of, query_group, random_heads, read_he
                                   top_heads, write_heads, write_label, write_patch)
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.probes.common import case_row, curve_summary, curves_table
-from kvprobe.probes.controls import crossfit_scores, crossfit_summary, crossfit_top
-from kvprobe.probes.summary import ci_cell, gate_summary, headline_stats, which
+from kvprobe.probes.controls import Crossfit, crossfit_scores, crossfit_summary, crossfit_top
+from kvprobe.probes.summary import (CaseRow, Curve, GatedSummary, Split, ci_cell, gate_summary, headline_stats,
+                                    which)
+from kvprobe.schema import Shape
 from kvprobe.paper import headlines as paper_headlines
 
 CURVES = ("write_top", "write_random", "read_top", "read_random", "identity")
@@ -44,6 +46,61 @@ class Params(BaseModel):
     ks: list[int] = Field(default_factory=lambda: [1, 3, 5, 8, 12], description="joint top-k heads")
     random_draws: int = Field(3, ge=1)
     report_top: int = Field(12, ge=1, description="heads listed by name in the summary")
+
+
+class ReadHead(Split):
+    layer: int
+    q_head: int
+    kv_head: int
+
+
+class WriteHead(Split):
+    layer: int
+    kv_head: int
+    query_group: list[int]
+
+
+class HeadsCrossfit(Shape):
+    read: Crossfit
+    write: Crossfit
+
+
+class Summary(GatedSummary):
+    """What the headline, table, claims and Figure 15a/f read (kvprobe.runner.shapes)."""
+
+    read_top: Curve
+    read_random: Curve
+    write_top: Curve
+    write_random: Curve
+    identity: Curve
+    write_all: Split
+    read_heads: list[ReadHead]
+    write_heads: list[WriteHead]
+    n_layers: int
+    n_heads: int
+    group_size: int
+    cells: int
+    cells_per_second: float | None = None
+    row_measures: dict[str, Any] | None = None  # None: not cross-fitted (fewer than two scenario folds)
+    crossfit: HeadsCrossfit | None = None
+
+
+class CrossfitRow(Shape):
+    """Per row: the top-k read / write heads ranked on the other scenario fold, patched jointly here
+    (``read_top<k>``, ``write_top<k>`` per k run; the claims read top-12)."""
+
+    read_top12: float | None = None
+
+
+class Row(CaseRow):
+    """A row as the claims read it (with the summary's row measures)."""
+
+    read_top: dict[str, float | None]
+    read_random: dict[str, float | None]
+    write_top: dict[str, float | None]
+    write_random: dict[str, float | None]
+    identity: dict[str, float | None]
+    crossfit: CrossfitRow | None = None
 
 
 def run_instance(ctx: Context, inst: Any) -> dict[str, Any]:
@@ -147,28 +204,33 @@ def table(s: dict[str, Any]) -> str:
                             ("write heads, top-k jointly (K/V at field + top notes)", "write_top"),
                             ("write heads, k random", "write_random"),
                             ("identity (every head's output patched)", "identity")])
-    w = which(s)
-    reads = ", ".join(f"L{e['layer']}.Q{e['q_head']}(kv{e['kv_head']}) {e[w]['mean']:+.2f}" for e in s["read_heads"][:6])
-    writes = ", ".join(f"L{e['layer']}.KV{e['kv_head']}(q{e['query_group'][0]}-{e['query_group'][-1]}) "
-                       f"{e[w]['mean']:+.2f}" for e in s["write_heads"][:6])
+    m = Summary.model_validate(s)
+    w = m.which
+    reads = ", ".join(f"L{e.layer}.Q{e.q_head}(kv{e.kv_head}) {e.over(w).mean:+.2f}" for e in m.read_heads[:6])
+    writes = ", ".join(f"L{e.layer}.KV{e.kv_head}(q{e.query_group[0]}-{e.query_group[-1]}) {e.over(w).mean:+.2f}"
+                       for e in m.write_heads[:6])
     return f"{text}\nstrongest read heads: {reads}\nstrongest write heads: {writes}\n" \
-           f"{s['cells']} cells, {s['cells_per_second'] or 0:.1f} cells/s"
+           f"{m.cells} cells, {m.cells_per_second or 0:.1f} cells/s"
 
 
 def headline(s: dict[str, Any]) -> str:
-    top = s["read_heads"][0]
+    m = Summary.model_validate(s)
+    top = m.read_heads[0]
     cf = ""
-    if "crossfit" in s and "12" in s["crossfit"]["read"]:  # records written before cross-fitting have none
-        c = s["crossfit"]["read"]["12"]["crossfit_vs_random"]
-        cf = (f"cross-fit read top-12 {ci_cell(c['effect'])} vs random-12 {ci_cell(c['control'])} (n "
-              f"{s['crossfit']['read']['n']}, {s['crossfit']['read']['n_clusters']} scenarios); in-sample: ")
+    read12 = m.crossfit.read.at(12) if m.crossfit is not None else None
+    if read12 is not None:
+        c, read = read12.crossfit_vs_random, m.crossfit.read
+        cf = (f"cross-fit read top-12 {ci_cell(c.effect)} vs random-12 {ci_cell(c.control)} (n "
+              f"{read.n}, {read.n_clusters} scenarios); in-sample: ")
     return (cf + "read " + headline_stats(s, "read_top", {"12": "top-12"}) + "; random "
             + headline_stats(s, "read_random", {"12": "12"}) + "; write " + headline_stats(s, "write_top", {"12": "top-12"})
-            + f"; strongest read head L{top['layer']}.Q{top['q_head']}")
+            + f"; strongest read head L{top.layer}.Q{top.q_head}")
 
 
 EXPERIMENT = Experiment(name="heads", doc=__doc__, params=Params, run_instance=run_instance,
+                        section="appD", section_order=1,
                         summarize=summarize_rows, table=table, headline=headline,
+                        summary_model=Summary, row_model=Row,
                         paper=paper_headlines("heads"),
                         claims=(near("read_top12_in_range", "top-12 read heads jointly recover in the paper's range", "read_top.12", 0.77,
                                      in_paper_range=True, role="effect", kind="describe", described="in-sample: heads ranked on the instances they are scored on; crossfit_read_top12_in_range is the test"),

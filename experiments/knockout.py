@@ -27,8 +27,9 @@ from kvprobe.probes import KV, case_row, ld_from_recovery, probe_case, same_deci
 from kvprobe.claims import Claim
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.probes.common import curve_summary, curves_table
-from kvprobe.probes.controls import crossfit_cell, crossfit_positions, crossfit_summary, keep_ranking
-from kvprobe.probes.summary import gate_summary, headline_stats
+from kvprobe.probes.controls import (Crossfit, PositionsCrossfitRow, crossfit_cell, crossfit_positions,
+                                     crossfit_summary, keep_ranking)
+from kvprobe.probes.summary import CaseRow, Curve, GatedSummary, gate_summary, headline_stats
 from kvprobe.paper import headlines as paper_headlines
 
 CURVES = ("knockout_top", "knockout_random", "knockout_band", "reverts_top")
@@ -42,6 +43,31 @@ class Params(BaseModel):
     random_draws: int = Field(3, ge=1)
     position_bands: int = Field(4, ge=1, description="contiguous bands of downstream positions, ablated whole")
     decode_top: int = Field(8, ge=0)
+
+
+class Summary(GatedSummary):
+    """What the headline, table, claims and Figure 3 (knockout) read (kvprobe.runner.shapes)."""
+
+    ablation: str
+    rank_by: str
+    knockout_top: Curve
+    knockout_random: Curve
+    knockout_band: Curve
+    reverts_top: Curve
+    row_measures: dict[str, Any] | None = None  # None: not cross-fitted (fewer than two scenario folds)
+    crossfit: Crossfit | None = None
+
+
+class CrossfitRow(PositionsCrossfitRow):
+    top8: float | None = None
+
+
+class Row(CaseRow):
+    """A row as the claims read it (with the summary's row measures)."""
+
+    knockout_top: dict[str, float | None]
+    knockout_random: dict[str, float | None]
+    crossfit: CrossfitRow | None = None
 
 
 def _rank(ctx: Context, case: Any) -> Any:
@@ -112,25 +138,27 @@ def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def headline(s: dict[str, Any]) -> str:
+    m = Summary.model_validate(s)
     text = ("return to stale, " + headline_stats(s, "knockout_top", {"1": "top-1", "8": "top-8"})
             + "; random: " + headline_stats(s, "knockout_random", {"8": "rand-8"}))
-    if "crossfit" in s and "8" in s["crossfit"]:  # records written before cross-fitting have none
-        text = "knockout toward stale, " + crossfit_cell(s["crossfit"], 8) + "; in-sample: " + text
+    if m.crossfit is not None and m.crossfit.at(8) is not None:
+        text = "knockout toward stale, " + crossfit_cell(m.crossfit, 8) + "; in-sample: " + text
     return text
 
 
 def table(s: dict[str, Any]) -> str:
-    return curves_table(s, [(f"toward stale, top-K knocked out ({s['ablation']}, ranked by {s['rank_by']})",
+    m = Summary.model_validate(s)
+    return curves_table(s, [(f"toward stale, top-K knocked out ({m.ablation}, ranked by {m.rank_by})",
                              "knockout_top"), ("toward stale, K random", "knockout_random"),
                             ("toward stale, one position band (early .. late)", "knockout_band"),
                             ("decision back to stale's sign, top-K", "reverts_top")]) + (
-        "\n" + "\n".join(crossfit_cell(s["crossfit"], int(k)) for k in s["crossfit"] if k.isdigit())
-        if "crossfit" in s else "")
+        "\n" + "\n".join(crossfit_cell(m.crossfit, k) for k in m.crossfit.ks) if m.crossfit is not None else "")
 
 
 EXPERIMENT = Experiment(name="knockout", doc=__doc__, params=Params, run_instance=run_instance,
+                        section="sec3", section_order=4,
                         summarize=summarize_rows, table=table,
-                        headline=headline,
+                        headline=headline, summary_model=Summary, row_model=Row,
                         paper=paper_headlines("knockout"),
                         # The paper's prose (Sec. 3 (4)) says ablating the notes returns the decision to stale; its released records
                         # mask the decision's attention to the stale notes in the field-only state, which moves the

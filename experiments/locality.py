@@ -48,6 +48,7 @@ def summarize(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 EXPERIMENT = Experiment(name="locality", doc=__doc__, params=Params, run_instance=run_instance, summarize=summarize,
+                        section="sec3", section_order=1,
                         table=lambda s: format_recovery_table(s, STATES),
                         headline=lambda s: headline_stats(s, "recovery", {"field_only": "field-only",
                                                                         "full_downstream": "full-downstream (identity)"}),

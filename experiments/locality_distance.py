@@ -37,11 +37,14 @@ from kvprobe.patching.pairs import measure, prefill_pair
 from kvprobe.runner.config import hash_neutral
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.probes.common import Case, case_row
-from kvprobe.probes.summary import ci_cell, gate_summary, recovery_summary
+from kvprobe.patching.ranking import rank_downstream
+from kvprobe.probes.summary import ci_cell, gate_summary, recovery_summary, scenarios
+from kvprobe.stats.inference import summarize_proportion
 from kvprobe.stats.bootstrap import quantiles
 from kvprobe.tasks.generator import FORMATS, RULE_MOVABLE, GeneratorFormats, GeneratorSplit, InfeasibleDistance, \
     RulePosition, build_generated, load_words, rule_position, template_families, tokenize_generated
 from kvprobe.paper import headlines as paper_headlines
+from kvprobe.trends import Trend
 
 STATES = ("field_only", "full_downstream")
 
@@ -54,6 +57,10 @@ class Params(BaseModel):
     instances_per_cell: int = Field(4, ge=1, description="families per (format, distance) cell, paired across cells")
     split: GeneratorSplit = Field("test", description="generator split the families come from")
     counterfactual: float = Field(0.5, ge=0.0, le=1.0, description="probability of an exchanged-values rule")
+    top_k: int = hash_neutral(0, ge=0, description="also refresh the field plus the k downstream positions of largest "
+                              "single-position effect (in-sample ranking, every layer) on gated instances; 0: off")
+    top_k_max_distance: int = hash_neutral(300, ge=1, description="the top-k state only in cells at or below this "
+                                           "distance: ranking patches every downstream position one at a time")
     rule_positions: list[RulePosition] = hash_neutral(
         ["format"], min_length=1,
         description="where the rule sits: 'format' (each format's own place), 'before_field', 'after_field'; "
@@ -102,18 +109,31 @@ def make_instances(ctx: Context) -> list[Any]:
 
 
 def run_instance(ctx: Context, inst: Any) -> dict[str, Any]:
-    lm = ctx.lm
+    lm, p = ctx.lm, ctx.params
     pair = tokenize_generated(lm.tokenizer, inst, lm.has_chat_template)
     pp = prefill_pair(lm, pair)
     anchor, lds, rec = measure(lm, pp, {"field_only": pp.field_only(), "full_downstream": pp.full_downstream()},
                                ctx.cfg.batch_size)
-    return case_row(ctx, inst, Case(pair, pp, anchor, lds, rec))
+    row = case_row(ctx, inst, Case(pair, pp, anchor, lds, rec))
+    if p.top_k and row["distance_target"] <= p.top_k_max_distance and row["included"]:
+        # Where notes take over: how much of the decision the field plus its k most effective downstream
+        # positions carry (ranked on this instance: a description, not a test).
+        top = rank_downstream(lm, pp, anchor, ctx.cfg.batch_size).top(p.top_k)
+        _, top_ld, top_rec = measure(lm, pp, {"top": pp.old.mix(pp.new, [*pp.field_slots, *top])},
+                                     ctx.cfg.batch_size)
+        row.update({"field_top_k": top_rec["top"], "field_top_k_ld": top_ld["top"],
+                    "top_k_offsets": [s - pp.field_slots[-1] for s in top]})
+    return row
 
 
 def _cell(rows: list[dict[str, Any]], seed: int) -> dict[str, Any]:
     flips = [r["flip"] for r in rows]
     included = [r for r in rows if r["included"]]
-    return {"n": len(rows), "n_included": len(included), "inclusion_rate": len(included) / len(rows),
+    extra = {}
+    if any("field_top_k" in r for r in rows):
+        extra["field_top_k"] = recovery_summary(rows, ["field_top_k"], seed=seed)["field_top_k"]
+    return {**extra, "n": len(rows), "n_included": len(included), "inclusion_rate": len(included) / len(rows),
+            "inclusion_ci": summarize_proportion([bool(r["included"]) for r in rows], scenarios(rows)),
             "distance_tokens_mean": sum(r["distance_tokens"] for r in rows) / len(rows),
             "oracle_flip": quantiles(flips), "oracle_flip_mean": sum(flips) / len(flips),
             "oracle_accuracy": sum(bool(r["oracle_correct"]) for r in rows) / len(rows),
@@ -170,6 +190,28 @@ def headline(summary: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+CHAT_SHAPES = ("user_turn", "document_qa")  # the formats that can move the rule (RULE_MOVABLE)
+RULE_FIRST = (("rule_at", "before_field"), ("format", CHAT_SHAPES))
+RULE_AFTER = (("rule_at", "after_field"), ("format", CHAT_SHAPES))
+# kvprobe's own predictions across the pretrained sizes (135M, 0.5B, 1.5B; configs/locality_sizes.yaml, study task
+# "sizes"), declared before the runs that test them (kvprobe.trends). The earlier 6-instance cells at ~150 tokens
+# gated 0 / 2 / 5 of 6 with the rule first and 0 / 0 / 4 of 6 with it after, and field-only recovery with the rule
+# first was 0.33 (0.5B, locality_chat) and 0.21 (1.5B): hence the directions.
+TRENDS = (
+    Trend("gate_rises_rule_first", "with the rule before the field, more instances gate (the decision moves with "
+          "the field) the larger the model", "gate", "rises", RULE_FIRST),
+    Trend("gate_rises_rule_after", "with the rule after the field, more instances gate the larger the model",
+          "gate", "rises", RULE_AFTER),
+    Trend("gate_rises_paper_layout", "in the paper's layout (gated_template, ~1,000 tokens) more instances gate "
+          "the larger the model", "gate", "rises", (("format", "gated_template"),)),
+    Trend("field_only_falls_rule_first", "with the rule before the field, the share of the decision the field's "
+          "own refreshed entries carry falls with size (notes take over)", "field_only", "falls", RULE_FIRST),
+    Trend("field_only_flat_rule_after", "with the rule after the field, field-only recovery does not move with "
+          "size (it stays at the paper's locality level where models gate; kvprobe's margin: 0.1 per decade of "
+          "parameters)", "field_only", "flat", RULE_AFTER, margin=0.1),
+)
+
 EXPERIMENT = Experiment(name="locality_distance", doc=__doc__, params=Params, run_instance=run_instance,
+                        section="sec3", section_order=2,
                         summarize=summarize, make_instances=make_instances, table=table, headline=headline,
-                        paper=paper_headlines("locality_distance"))
+                        paper=paper_headlines("locality_distance"), trends=TRENDS)

@@ -18,6 +18,16 @@ answers (token ids, up to ``max_answer_tokens`` or the first newline / end of tu
 same blocks without re-rotation (keys left at their isolated positions): its cosine must fall below the
 re-rotated one's.
 
+Graded measures (:mod:`kvprobe.probes.graded`, beside F1): the teacher-forced log-probability of the gold answer
+(``gold_logprob``, :func:`kvprobe.probes.decision.answer_logprob`) under each arm and its distance from full
+recompute's, which reads even where F1 is at its floor. ``controls`` adds must-fail arms beside their treatment
+(separation: the control's log-prob error minus the treatment's, with its cluster CI): ``wrong_memory`` (the
+evidence sessions left out, other sessions of the conversation in their place, about as long: the evidence-ablated
+memory; it and ``no_memory`` are also the calibrators a cosine needs, and the table prints a cosine without them as
+uncalibrated), ``no_memory`` (the memory left out), ``shuffled`` (the sessions spliced in reverse order) and
+``no_rotation_far`` (the context moved ``far_offset`` positions up, the sessions spliced there without
+re-rotation; its treatment ``spliced_far`` is the re-rotated splice there); the others' treatment is ``spliced``.
+
 Coverage: the adversarial category (5) has no gold answer and is skipped; of the 1,540 answerable questions a
 stratified subset is run, ``task.n_instances`` split evenly over ``categories`` and drawn round-robin over the
 conversations, among the questions whose evidence sessions fit the budget (the record states how many were
@@ -33,17 +43,21 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvprobe.backends import HookableModel
 from kvprobe.cache_dir import project_path
-from kvprobe.claims import ACCURACY_MARGIN, KVPROBE_RATE_BOUND, Claim, near
+from kvprobe.claims import ACCURACY_MARGIN, KVPROBE_RATE_BOUND, SEPARATION_MARGIN, Claim, near
 from kvprobe.kv.compose import Live, Spliced, assemble, precompile
 from kvprobe.kv.decode import greedy_chain
-from kvprobe.kv.readout import prefill, read_logits
+from kvprobe.kv.readout import prefill
 from kvprobe.kv.state import KVState
 from kvprobe.metrics import logit_cosine
+from kvprobe.probes.decision import answer_logprob, next_logits
+from kvprobe.probes.graded import (FAR_OFFSET, arm_entry, arms_summary, control_entry, controls_headline,
+                                   controls_summary, far_check, graded_lines, pick)
 from kvprobe.probes.summary import ci_cell
+from kvprobe.schema import hash_neutral
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.stats.bootstrap import cluster_means, summarize
 from kvprobe.stats.inference import summarize_proportion, tost_paired
@@ -52,6 +66,8 @@ from kvprobe.tasks.locomo import ANSWERABLE, CATEGORIES, Conversation, load_loco
 from kvprobe.paper import headlines as paper_headlines
 
 ARMS = ("full", "spliced")
+CONTROLS = {"wrong_memory": "spliced", "no_memory": "spliced", "shuffled": "spliced",
+            "no_rotation_far": "spliced_far"}  # must-fail control -> its treatment
 _MARK = "<<MEMORY>>"  # where the sessions go inside the (chat-wrapped) prompt
 
 
@@ -64,6 +80,15 @@ class Params(BaseModel):
                                   description="LoCoMo categories run (1 multi-hop, 2 temporal, 3 open-domain, "
                                               "4 single-hop); task.n_instances is split evenly over them")
     max_answer_tokens: int = Field(12, ge=1, description="bound of each greedy answer")
+    controls: list[str] = hash_neutral([], description="must-fail controls beside their treatment (wrong_memory and "
+                                       "no_memory also calibrate the cosine): " + ", ".join(CONTROLS))
+    far_offset: int = hash_neutral(FAR_OFFSET, ge=2000, description="no_rotation_far: the context moved this many "
+                                   "positions up (the sessions land >= this far from where they were precompiled)")
+
+    @field_validator("controls")
+    @classmethod
+    def _controls(cls, v: list[str]) -> list[str]:
+        return pick(v, list(CONTROLS), "controls")
 
 
 @dataclass(frozen=True)
@@ -191,6 +216,48 @@ def _answer(ctx: Context, chain: list[int]) -> tuple[list[int], str]:
     return ids, text.split("\n")[0].strip()
 
 
+def _gold_ids(ctx: Context, qa: Any, tail: list[int]) -> list[int]:
+    """The gold answer's tokens as the continuation of the prompt (open-domain: the part before the first ';')."""
+    gold = (qa.answer or "").split(";")[0].strip() if qa.category == 3 else (qa.answer or "").strip()
+    text = ctx.lm.tokenizer.decode(tail[-1:])
+    sep = " " if text.endswith(":") else ""
+    return list(ctx.lm.tokenizer(sep + gold, add_special_tokens=False)["input_ids"])
+
+
+def _wrong_sessions(ctx: Context, inst: Any, length: int) -> tuple[int, ...]:
+    """Sessions of the same conversation, none of the evidence, drawn in a seeded order while their total stays
+    within ``length`` tokens (the right memory's), in session order: a memory as long but without the evidence."""
+    conv = _conversations(ctx)[inst.scenario]
+    rng = random.Random(f"{ctx.cfg.seed}:wrong:{inst.scenario}:{inst.qa_index}")
+    pool = [s.number for s in conv.sessions if s.number not in inst.evidence]
+    used, out = 0, []
+    for s in rng.sample(pool, len(pool)):
+        n = len(_session_ids(ctx, conv, s))
+        if used + n <= length:
+            out.append(s)
+            used += n
+    return tuple(sorted(out))
+
+
+def _control_states(ctx: Context, inst: Any, head: list[int], tail: list[int],
+                    blocks: list[tuple[tuple[int, ...], KVState]], memory_len: int) -> dict[str, KVState]:
+    lm, p = ctx.lm, ctx.params
+    live_head, live_tail = Live(tuple(head)), Live(tuple(tail[:-1]))
+    out: dict[str, KVState] = {}
+    if "no_rotation_far" in p.controls:
+        for name, rotate in (("spliced_far", True), ("no_rotation_far", False)):
+            out[name] = assemble(lm, [live_head, *(Spliced(b, st, rotate=rotate) for b, st in blocks), live_tail],
+                                 p.far_offset)
+    if "shuffled" in p.controls and len(blocks) > 1:
+        out["shuffled"] = assemble(lm, [live_head, *(Spliced(b, st) for b, st in reversed(blocks)), live_tail])
+    if "wrong_memory" in p.controls:
+        wrong = [_block(ctx, inst.scenario, s) for s in _wrong_sessions(ctx, inst, memory_len)]
+        out["wrong_memory"] = assemble(lm, [live_head, *(Spliced(b, st) for b, st in wrong), live_tail])
+    if "no_memory" in p.controls:
+        out["no_memory"] = prefill(lm, head + tail[:-1])
+    return out
+
+
 def run_instance(ctx: Context, inst: Any) -> dict[str, Any]:
     lm, p = ctx.lm, ctx.params
     conv = _conversations(ctx)[inst.scenario]
@@ -205,7 +272,7 @@ def run_instance(ctx: Context, inst: Any) -> dict[str, Any]:
                              Live(tuple(tail[:-1]))])
 
     states = {"full": full, "spliced": spliced(True), "no_rotation": spliced(False)}
-    logits = read_logits(lm, list(states.values()), ids[-1:], batch_size=ctx.cfg.batch_size)
+    logits = next_logits(lm, list(states.values()), ids[-1:], batch_size=ctx.cfg.batch_size)
     first = {name: int(logits[i].argmax()) for i, name in enumerate(states)}
     row: dict[str, Any] = {**inst.row(), "question": qa.question, "gold": qa.answer, "n_tokens": len(ids),
                            "memory_tokens": len(ids) - len(head) - len(tail),
@@ -219,7 +286,36 @@ def run_instance(ctx: Context, inst: Any) -> dict[str, Any]:
         answers[arm] = _answer(ctx, chain)
         row[arm] = {"answer": answers[arm][1], "f1": locomo_f1(answers[arm][1], qa.answer or "", qa.category)}
     row["answer_agree"] = answers["spliced"][0] == answers["full"][0]
+    row.update(_graded(ctx, inst, qa, head, tail, blocks, states, logits, row["memory_tokens"]))
     return row
+
+
+def _graded(ctx: Context, inst: Any, qa: Any, head: list[int], tail: list[int],
+            blocks: list[tuple[tuple[int, ...], KVState]], states: dict[str, KVState], logits: Any,
+            memory_len: int) -> dict[str, Any]:
+    """The gold answer's teacher-forced log-prob under every arm (and the controls'), its distance from full
+    recompute's, each arm's first-token cosine and agreement; the controls beside their treatments."""
+    lm = ctx.lm
+    gold = _gold_ids(ctx, qa, tail)
+    if not gold:
+        return {}
+    extra = _control_states(ctx, inst, head, tail, blocks, memory_len)
+    cos = {name: float(logit_cosine(logits[i], logits[0])) for i, name in enumerate(states)}
+    first = {name: int(logits[i].argmax()) for i, name in enumerate(states)}
+    for name, st in extra.items():
+        lg = next_logits(lm, st, tail[-1:])[0]
+        cos[name], first[name] = float(logit_cosine(lg, logits[0])), int(lg.argmax())
+    lps = {name: answer_logprob(lm, st, tail[-1:], gold) for name, st in {**states, **extra}.items()}
+    arms = {name: arm_entry(lp, lps["full"], measure="gold_logprob", cosine=cos[name],
+                            agree=first[name] == first["full"]) for name, lp in lps.items()}
+    out: dict[str, Any] = {"gold_tokens": len(gold), "graded": {"arms": arms}}
+    controls = {c: control_entry(t, arms, c, "gold_logprob") for c, t in CONTROLS.items() if c in arms}
+    if controls:
+        out["controls"] = controls
+    if "spliced_far" in arms:
+        out["far_check"] = far_check(lps["spliced_far"], lps["spliced"])
+        out["far_distance"] = ctx.params.far_offset + len(head)
+    return out
 
 
 def _prop(rows: list[dict[str, Any]], key: str) -> dict[str, Any]:
@@ -256,6 +352,14 @@ def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
            "seconds_per_question": summarize([r["seconds"] for r in rows if "seconds" in r]),
            "by_category": {CATEGORIES[c]: _block_summary(sub, seed) for c in ctx.params.categories
                            if (sub := [r for r in rows if r["category"] == c])}}
+    if any("graded" in r for r in rows):
+        out["graded"] = arms_summary([(r["scenario"], r["graded"]["arms"]) for r in rows if "graded" in r], seed,
+                                     "gold_logprob")
+    if any("controls" in r for r in rows):
+        out["controls"] = controls_summary([(r["scenario"], r["controls"]) for r in rows if "controls" in r], seed)
+        if any("far_check" in r for r in rows):
+            out["far_check_max"] = max(r["far_check"] for r in rows if "far_check" in r)
+            out["far_distance_min"] = min(r["far_distance"] for r in rows if "far_distance" in r)
     out["verdict_note"] = ("F1 is the model's QA accuracy; on a small model it is low, so the F1 equivalence says "
                            "little (two low accuracies are close) and the agreement measures (answer agreement, "
                            "logit cosine) are the finding")
@@ -276,6 +380,20 @@ def table(s: dict[str, Any]) -> str:
     p = "n/a" if t.get("p") is None else f"{t['p']:.3g}"
     lines.append(f"F1 spliced - full {ci_cell(s['f1_difference'], 4, signed=True)}; TOST +-{ACCURACY_MARGIN} on "
                  f"conversation means p {p}. {s['verdict_note']}")
+    g = s.get("graded") or {}
+    if "wrong_memory" in g and "no_memory" in g:
+        lines.append("cosine calibrated in this record (first answer token vs full recompute): spliced "
+                     f"{ci_cell(g['spliced']['cosine'], 4)}; a wrong memory (evidence left out) "
+                     f"{ci_cell(g['wrong_memory']['cosine'], 4)}; no memory {ci_cell(g['no_memory']['cosine'], 4)}")
+    else:
+        lines.append("the cosines above are uncalibrated: this record has no wrong-memory and no-memory arms to read "
+                     "them against (params.controls)")
+    if g:
+        lines.append("graded, the gold answer's teacher-forced log-prob"
+                     + (f"; no_rotation_far lands >= {s['far_distance_min']} positions from its precompile, the "
+                        f"re-rotated splice moved there vs in place max |dlogprob| {s['far_check_max']:.1e} (~0 if "
+                        "exact)" if "far_check_max" in s else "") + ":")
+        lines += graded_lines(g, s.get("controls"), measure="gold_logprob")
     return "\n".join(lines)
 
 
@@ -283,11 +401,15 @@ def headline(s: dict[str, Any]) -> str:
     return (f"F1 full {s['f1']['full']['mean']:.3f} vs spliced {s['f1']['spliced']['mean']:.3f} "
             f"(diff {s['f1_difference']['mean']:+.3f}); answers agree {s['answer_agreement']['mean']:.2f}; "
             f"cos {s['cosine']['mean']:.4f} (no rotation {s['no_rotation_cosine']['mean']:.3f}); "
-            f"n {s['n_instances']} ({s['n_conversations']} conversations)")
+            f"n {s['n_instances']} ({s['n_conversations']} conversations)"
+            + (f"; gold log-prob full {s['graded']['full']['gold_logprob']['mean']:.2f} vs spliced "
+               f"{s['graded']['spliced']['gold_logprob']['mean']:.2f}" if s.get("graded") else "")
+            + (f"; {controls_headline(s['controls'])}" if s.get("controls") else ""))
 
 
 PAPER_N = "1,540 answerable questions per model (four models)"
 EXPERIMENT = Experiment(
+    section="sec7", section_order=2,
     name="locomo", doc=__doc__, params=Params, make_instances=make_instances, run_instance=run_instance,
     summarize=summarize_rows, table=table, headline=headline,
     paper=paper_headlines("locomo"),
@@ -308,4 +430,17 @@ EXPERIMENT = Experiment(
         Claim("locomo_rotation_control", "re-rotated sessions' answer-token logits are closer to full recompute "
               "than unrotated ones (paired)", "greater", "cosine",
               "no_rotation_cosine", gated=False, role="control", competence=("full.f1",)),
+        # Must-fail controls beside their treatment, on the gold answer's teacher-forced log-prob (no competent model
+        # needed), by kvprobe's own margin; and the cosine against its calibrator, a memory without the evidence.
+        Claim("locomo_wrong_memory_separation", "a memory without the evidence sessions (as long) is further from full "
+              "recompute's gold-answer log-prob than the spliced right memory, by more than kvprobe's margin "
+              f"({SEPARATION_MARGIN} nats)", "greater", "controls.wrong_memory.separation", SEPARATION_MARGIN,
+              gated=False, role="control"),
+        Claim("locomo_far_rotation_separation", "sessions spliced without re-rotation >= 2,000 positions from their "
+              "precompile are further from full recompute's gold-answer log-prob than re-rotated ones there, by more "
+              f"than kvprobe's margin ({SEPARATION_MARGIN} nats)", "greater", "controls.no_rotation_far.separation",
+              SEPARATION_MARGIN, gated=False, role="control"),
+        Claim("locomo_cosine_beats_wrong_memory", "the spliced memory's first-answer-token cosine to full recompute "
+              "exceeds a wrong memory's (evidence left out; paired): the cosine's calibrator", "greater",
+              "graded.arms.spliced.cosine", "graded.arms.wrong_memory.cosine", gated=False, role="control"),
     ))

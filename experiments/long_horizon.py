@@ -11,6 +11,13 @@ each change. Per turn we record decision agreement (argmax of the two action tok
 full next-token logits; over turns, the slope of each and the first-third vs last-third profile. The paper
 (Qwen3-8B, Llama-3.1-8B, Mistral-7B) finds cosine 0.987-0.999, flat, and agreement slopes within +-0.01/turn.
 
+Graded measures and a must-fail control (:mod:`kvprobe.probes.graded`): per turn, the evolving cache's and the
+reference's LD (right minus wrong action) with the cache's distance from the reference; from turn 2 on, its
+*field effect retained* (the turn-to-turn change in LD(new value's action - old) under the cache over the same
+under the reprefill). Beside it the ``frozen`` cache, the static prefix never given a refresh or an erratum (the
+stale-cache bug: retained 0), with the separation (LD error; retained) and its cluster CI: a flat agreement over
+turns says nothing unless the frozen cache visibly fails the same turns.
+
 Where our setting differs: small embedded models; the token sequence is the cached prefix's tokens, each
 erratum's tokens and the decision prompt's tokens (decoded, it is exactly the text of the full prompt); the
 row records whether that sequence is also the canonical tokenization of the text. Scheme erratum is a
@@ -26,12 +33,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvprobe.errors import KVProbeError
 from kvprobe.kv.edit import recompute_slots
-from kvprobe.kv.readout import prefill, read_logits
-from kvprobe.metrics import logit_cosine, logit_diff
+from kvprobe.kv.readout import prefill
+from kvprobe.metrics import logit_cosine
+from kvprobe.probes.decision import read_actions
 from kvprobe.probes.edit_summary import base_row, edit_case, edit_gate_summary
 from kvprobe.probes.controls import paired_contrast
+from kvprobe.probes.graded import (arm_entry, arms_summary, control_entry, controls_headline, controls_summary,
+                                   field_effect_retained, graded_lines)
 from kvprobe.probes.summary import ci_cell, summarize_column
-from kvprobe.claims import ACCURACY_MARGIN, Claim, near
+from kvprobe.claims import ACCURACY_MARGIN, RETAINED_MARGIN, Claim, near
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.tasks.edits import decision_char, erratum_body, erratum_line, prompt_ids, prompt_text, split_prompt_at
 from kvprobe.paper import headlines as paper_headlines
@@ -61,6 +71,9 @@ def run_instance(ctx: Context, inst: Any) -> dict[str, Any]:
     other = {inst.old_value: inst.new_value, inst.new_value: inst.old_value}
 
     state = c.pp.old.slice(0, len(head))  # the static prefix, prefilled once
+    # the frozen cache: the static prefix, never refreshed nor given an erratum; its LD for each value's turns
+    frozen_read = read_actions(lm, state, query, (pair.old_action_id, pair.new_action_id))
+    frozen = (frozen_read.ld(), -frozen_read.ld())  # right - wrong when the old value / the new value is in force
     appended: list[int] = []
     lines: list[str] = []
     turns = []
@@ -77,16 +90,35 @@ def run_instance(ctx: Context, inst: Any) -> dict[str, Any]:
         appended += err
         seq = heads[field_value] + appended
         full = prefill(lm, seq)
-        logits = read_logits(lm, [state, full], query)  # same slots and positions: one batch
-        ld = logit_diff(logits, action_id[value], action_id[other[value]]).tolist()
+        reads = read_actions(lm, [state, full], query, (action_id[value], action_id[other[value]]))  # one batch
+        ld = reads.lds
         canonical = prompt_ids(tok, inst, erratum_body(ctx.template, inst, field_value, lines), chat) == seq + query
+        frozen_ld = frozen[0] if value == inst.old_value else frozen[1]
         turns.append({"turn": t, "value": value, "cache_ld": ld[0], "reference_ld": ld[1],
                       "cache_correct": ld[0] > 0, "reference_correct": ld[1] > 0, "agree": (ld[0] > 0) == (ld[1] > 0),
-                      "cosine": float(logit_cosine(logits[0], logits[1])),
+                      "cosine": float(logit_cosine(reads.logits[0], reads.logits[1])),
                       "recomputed_tokens": recomputed + len(err), "total_tokens": len(seq),
-                      "canonical_tokenization": canonical})
+                      "canonical_tokenization": canonical,
+                      "graded": {"cache": arm_entry(ld[0], ld[1], agree=(ld[0] > 0) == (ld[1] > 0)),
+                                 "frozen": arm_entry(frozen_ld, ld[1], agree=(frozen_ld > 0) == (ld[1] > 0))}})
+    _retained(turns, inst.new_value)
     return {**base_row(ctx, inst, c), "scheme": p.scheme, "prefix_tokens": len(head),
             "query_tokens": len(query), "turns": turns}
+
+
+def _retained(turns: list[dict[str, Any]], new_value: str) -> None:
+    """From turn 2 on: each arm's field effect retained (the turn-to-turn change of LD(new value's action - old),
+    under the arm's cache over the same under the reprefill), and the frozen cache beside the evolving one."""
+    def fixed(t: dict[str, Any], ld: float) -> float:
+        return ld if t["value"] == new_value else -ld
+
+    for prev, t in zip(turns, turns[1:]):
+        ref_new, ref_old = fixed(t, t["reference_ld"]), fixed(prev, prev["reference_ld"])
+        for name, a in t["graded"].items():
+            ret = field_effect_retained(fixed(t, a["ld"]), fixed(prev, prev["graded"][name]["ld"]), ref_new, ref_old)
+            if ret is not None:
+                a["retained"] = ret
+        t["controls"] = {"frozen": control_entry("cache", t["graded"], "frozen")}
 
 
 def _slope(y_by_instance: np.ndarray) -> float:
@@ -143,6 +175,10 @@ def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
     out["canonical_tokenization"] = float(grid("canonical_tokenization").mean())
     last = [r["turns"][-1] for r in used]
     out["recompute_fraction_last_turn"] = float(np.mean([t["recomputed_tokens"] / t["total_tokens"] for t in last]))
+    turns = [(r["scenario"], t) for r in used for t in r["turns"]]
+    if any("graded" in t for _, t in turns):  # graded: turn-level entries, clustered by scenario
+        out["graded"] = arms_summary([(sc, t["graded"]) for sc, t in turns if "graded" in t], seed)
+        out["controls"] = controls_summary([(sc, t["controls"]) for sc, t in turns if "controls" in t], seed)
     return out
 
 
@@ -156,7 +192,10 @@ def table(s: dict[str, Any]) -> str:
         f"logit cosine {s['cosine']['mean']:.4f}, first third {s['cosine_first_third']:.4f} -> last third "
         f"{s['cosine_last_third']:.4f}, slope {c['slope']:+.5f}/turn",
         f"accuracy: reference {s['reference_accuracy']:.3f}, evolving cache {s['cache_accuracy']:.3f}; "
-        f"canonical tokenization {s['canonical_tokenization']:.2f}"])
+        f"canonical tokenization {s['canonical_tokenization']:.2f}",
+        *(["graded per turn vs the reprefill (retained from turn 2: the LD change since the previous turn over the "
+           "reprefill's); the frozen cache never gets a refresh or an erratum:"]
+          + graded_lines(s["graded"], s.get("controls")) if "graded" in s else [])])
 
 
 def headline(s: dict[str, Any]) -> str:
@@ -176,10 +215,12 @@ def headline(s: dict[str, Any]) -> str:
                    f"cosine {ci_cell(s['cosine'], 3)} "
                    f"(first third {s['cosine_first_third']:.3f} -> last {s['cosine_last_third']:.3f}); agreement "
                    f"slope {num(a['slope'])}/turn [{num(a['ci_low'])}, {num(a['ci_high'])}]; reprefill accuracy "
-                   f"{s['reference_accuracy']:.2f}")
+                   f"{s['reference_accuracy']:.2f}") + (f"; {controls_headline(s['controls'])}" if s.get("controls")
+                                                       else "")
 
 
 EXPERIMENT = Experiment(name="long_horizon", doc=__doc__, needs_template=True, params=Params, run_instance=run_instance,
+                        section="appG",
                         summarize=summarize_rows, table=table, headline=headline,
                         paper=paper_headlines("long_horizon"),
                         # Per instance, averaged over its turns (the ``*`` step), so turns of one conversation are not counted as
@@ -201,4 +242,11 @@ EXPERIMENT = Experiment(name="long_horizon", doc=__doc__, needs_template=True, p
                                      role="control", params=(("scheme", "erratum"),)),
                                 Claim("agreement_field_erratum", "with the field refreshed in place + an erratum "
                                       "(stale notes), the cache decides as the reference over turns (described)",
-                                      "describe", "turns.*.agree", role="effect", params=(("scheme", "field_erratum"),))))
+                                      "describe", "turns.*.agree", role="effect", params=(("scheme", "field_erratum"),)),
+                                # The must-fail control beside the appended cache (per instance, averaged over turns
+                                # 2..): a frozen cache retains none of the reprefill's turn-to-turn response.
+                                Claim("frozen_retained_separation", "the appended cache retains more of the "
+                                      "reprefill's turn-to-turn response to the errata than a frozen cache (never "
+                                      f"given them), by more than kvprobe's margin ({RETAINED_MARGIN})", "greater",
+                                      "turns.*.controls.frozen.retained_separation", RETAINED_MARGIN, gated=False,
+                                      role="control", params=(("scheme", "erratum"),))))

@@ -17,16 +17,30 @@ notes; the request is allowed only if every relevant setting is enabled, an AND;
   no-rotation control (keys left at their isolated positions) on the same instances.
 - E4 granularity: the memory cut at line boundaries into S independently precompiled blocks (S from
   ``blocks``); agreement and cosine against S; the relevant facts lie contiguous or split (``layouts``),
-  crossed with the label (instance i takes ``layouts[(i // 2) % n]``, the label alternates with i); the edit
-  cost per S is one block's tokens over the memory's.
+  crossed with the label (instance i takes ``layouts[(i // layout_period) % n]``, period 2 by default; the label
+  alternates with i); the edit cost per S is one block's tokens over the memory's.
 - E3 edit: one relevant stored fact toggled (the decision flips) over the spliced (seam 1) cache: stale,
   in_place (the value's tokens recomputed), erratum (a ``[MEMORY UPDATE]`` line appended after the memory,
   the cache reused up to it) and field+erratum, each read directly and after the chain (``modes``);
   P(correct) is the rate of the new decision; McNemar erratum vs in_place per mode. The negative control
   toggles an irrelevant setting: under full recompute the decision must not move.
 
+Graded measures and must-fail controls (:mod:`kvprobe.probes.graded`). Every E2/E4 arm carries its two-action
+logit difference (``<arm>_ld``, right minus wrong action, nats) and its distance from full recompute's; E1 cells and
+E3 methods their LD. ``field_effect`` rebuilds every arm on the memory with E3's relevant setting toggled, so each
+arm's *field effect retained* (its LD change over full recompute's) is read even where every decision is the
+same. ``controls`` adds arms that must fail, each reported beside its treatment with the separation (control's
+LD error minus the treatment's) and its cluster CI: ``no_rotation_far`` (the whole context moved ``far_offset``
+positions up, so the memory lands >= that far from where it was precompiled, spliced without re-rotation; its
+treatment ``seam0_far`` is the re-rotated splice at the same offset), ``shuffled`` (``shuffle_blocks`` blocks
+spliced in reverse order; treatment the same blocks in order), ``wrong_memory`` (another user's memory spliced in
+its place), ``no_memory`` (the memory left out), ``ablated`` (the relevant setting lines cut out) and ``stale``
+(with ``field_effect``: the old memory's full-recompute cache read for the toggled memory; retained 0 by
+construction); the treatment of the last four is ``seam0``.
+
 Direct decisions are the argmax of the two action tokens (`` allow`` / `` refuse``) after ``Decision:``; every
-cache ends where that answer prefix begins, so a chain can start there. Where our setting differs: small CPU
+cache ends where that answer prefix begins, so a chain can start there. Reads go through the probe layer's
+decision API (:mod:`kvprobe.probes.decision`), splices through :func:`kvprobe.kv.compose.splice_spans`. Where our setting differs: small CPU
 models (a 135M model decides an AND over two settings near chance, which the record's full-recompute
 accuracy shows), instruction-tuned rather than reasoning-native (the chain is induced by a cue and short),
 and memories of ~0.4k to ~1k tokens rather than 2k to 32k (the record states the lengths).
@@ -38,25 +52,30 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from kvprobe.backends import HookableModel
-from kvprobe.claims import ACCURACY_MARGIN, Claim
+from kvprobe.backends import HookableModel, KVState
+from kvprobe.claims import ACCURACY_MARGIN, RETAINED_MARGIN, SEPARATION_MARGIN, Claim
 from kvprobe.kv import edit
-from kvprobe.kv.compose import Live, Spliced, assemble, precompile
+from kvprobe.kv.compose import Compiled, splice_spans
 from kvprobe.kv.edit import FieldEdit
-from kvprobe.kv.readout import prefill, read_logits
+from kvprobe.kv.readout import prefill
 from kvprobe.metrics import logit_cosine
-from kvprobe.probes.chain import chain_decision
-from kvprobe.probes.summary import ci_cell
+from kvprobe.probes.decision import ChainSpec, answer_prefix_len, decide, read_actions, read_named
+from kvprobe.probes.graded import (FAR_OFFSET, arm_entry, arms_summary, control_entry, controls_headline,
+                                   controls_summary, far_check, field_effect_retained, graded_lines, pick)
+from kvprobe.probes.summary import ci_cell, summarize_column
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.stats.bootstrap import summarize
 from kvprobe.stats.inference import gee_binomial, mcnemar_exact, summarize_proportion
 from kvprobe.tasks.gated import render
 from kvprobe.tasks.memory import ANSWER_PREFIX, PLACEMENTS, VALUES, action_ids, persona_instance, render_ids
 from kvprobe.paper import headlines as paper_headlines
-from kvprobe.schema import distinct_subset
+from kvprobe.schema import distinct_subset, hash_neutral
 
 EDITS = ("stale", "in_place", "erratum", "field_erratum")
 MODES = ("direct", "chain")
+# must-fail controls -> their treatment (the arm the control is read beside)
+CONTROLS = {"no_rotation_far": "seam0_far", "shuffled": "blocks{s}", "wrong_memory": "seam0", "no_memory": "seam0",
+            "ablated": "seam0", "stale": "seam0"}
 
 
 class Params(BaseModel):
@@ -67,7 +86,12 @@ class Params(BaseModel):
     blocks: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16], description="E4: numbers of blocks S")
     layouts: list[str] = Field(default_factory=lambda: ["contiguous", "split"],
                                description="relevant facts contiguous or split, crossed with the label (which "
-                                           "alternates with i): instance i takes layouts[(i // 2) % n]")
+                                           "alternates with i): instance i takes layouts[(i // layout_period) % n]")
+    # Resolved into the record hash on purpose (not hash-neutral): records written before it gave instance i
+    # layouts[i % 2], so every contiguous instance was 'allow' and every split one 'refuse'; the crossed design
+    # must not share their name.
+    layout_period: int = Field(2, ge=2, description="E4: instances per layout before the next one (even: each "
+                                                    "layout meets both labels equally often)")
     edit: bool = Field(True, description="run E3 (toggle one stored fact)")
     modes: list[str] = Field(default_factory=lambda: ["direct", "chain"],
                              description="E1 and E3: decide directly and/or after a greedy chain")
@@ -77,6 +101,25 @@ class Params(BaseModel):
     e1_lines: list[int] = Field(default_factory=lambda: [40, 100],
                                 description="E1: memory lines per length (~12 tokens a line); [] skips E1")
     placements: list[str] = Field(default_factory=lambda: ["early", "late"], description="E1 placements")
+    field_effect: bool = hash_neutral(False, description="E2/E4: every arm also built on the memory with one "
+                                                         "relevant setting toggled; each arm's field effect retained")
+    controls: list[str] = hash_neutral([], description="must-fail controls beside their treatment: "
+                                       + ", ".join(CONTROLS) + " ('stale' needs field_effect)")
+    far_offset: int = hash_neutral(FAR_OFFSET, ge=2000, description="no_rotation_far: the context moved this many "
+                                   "positions up (the memory lands >= this far from where it was precompiled)")
+    shuffle_blocks: int = hash_neutral(4, ge=2, description="shuffled: blocks spliced in reverse order")
+
+    @field_validator("controls")
+    @classmethod
+    def _controls(cls, v: list[str]) -> list[str]:
+        return pick(v, list(CONTROLS), "controls")
+
+    @field_validator("layout_period")
+    @classmethod
+    def _layout_period(cls, v: int) -> int:
+        if v % 2:
+            raise ValueError(f"layout_period must be even (the label alternates with i), got {v}")
+        return v
 
     @field_validator("modes")
     @classmethod
@@ -99,6 +142,10 @@ class Params(BaseModel):
     def _enough_lines(self) -> "Params":
         if max(self.blocks) > self.n_lines:
             raise ValueError(f"{max(self.blocks)} blocks need at least as many memory lines; n_lines={self.n_lines}")
+        if "shuffled" in self.controls and self.shuffle_blocks > self.n_lines:
+            raise ValueError(f"shuffle_blocks={self.shuffle_blocks} exceeds n_lines={self.n_lines}")
+        if "stale" in self.controls and not self.field_effect:
+            raise ValueError("the stale control reads the toggled memory: set field_effect=true")
         return self
 
     @field_validator("blocks")
@@ -114,7 +161,8 @@ def make_instances(ctx: Context) -> list[Any]:
     # the label alternates with i (persona_instance): the layout changes every two instances, so each layout
     # meets both labels (layouts[i % n] would make contiguous always 'allow' and split always 'refuse')
     return [persona_instance(i, ctx.cfg.seed, p.n_lines, n_relevant=p.n_relevant,
-                             layout=p.layouts[(i // 2) % len(p.layouts)]) for i in range(ctx.cfg.task.n_instances)]
+                             layout=p.layouts[(i // p.layout_period) % len(p.layouts)])
+            for i in range(ctx.cfg.task.n_instances)]
 
 
 def _cuts(starts: list[int], s: int) -> list[int]:
@@ -123,42 +171,36 @@ def _cuts(starts: list[int], s: int) -> list[int]:
 
 
 def _spliced(lm: HookableModel, ids: list[int], starts: list[int], r: int, s: int = 1, seam: int = 0,
-             rotate: bool = True, compiled: dict[tuple[int, int], Any] | None = None) -> Any:
+             rotate: bool = True, compiled: Compiled | None = None, start: int = 0) -> KVState:
     """The memory cut into ``s`` blocks at line boundaries, each precompiled alone and spliced between the live
-    head and the live tail; the cache ends ``r`` tokens (the answer prefix) before the prompt's end.
-    ``compiled`` keeps each block's isolated cache across calls (a block is precompiled once per instance)."""
-    m0, m1 = starts[0], starts[-1]
-    cuts = _cuts(starts, s)
-    compiled = {} if compiled is None else compiled
-    for x, y in zip(cuts, cuts[1:]):
-        if (x, y) not in compiled:
-            compiled[(x, y)] = precompile(lm, ids[x:y])
-    blocks = [Spliced(tuple(ids[x:y]), compiled[(x, y)], seam=seam if i == 0 else 0, rotate=rotate)
-              for i, (x, y) in enumerate(zip(cuts, cuts[1:]))]
-    return assemble(lm, [Live(tuple(ids[:m0])), *blocks, Live(tuple(ids[m1:-r]))])
+    head and the live tail (:func:`kvprobe.kv.compose.splice_spans`); the cache ends ``r`` tokens (the answer
+    prefix) before the prompt's end."""
+    return splice_spans(lm, ids, _cuts(starts, s), len(ids) - r, seam=seam, rotate=rotate, start=start,
+                        compiled=compiled)
 
 
 def answer_tokens(ctx: Context, inst: Any, ids: list[int]) -> int:
     """How many final prompt tokens the answer prefix takes (the cache ends before them)."""
-    tok = ctx.lm.tokenizer
-    text, special = render(tok, inst.body(), ctx.lm.has_chat_template)
-    head = tok(text, add_special_tokens=special)["input_ids"]
-    shared = next((i for i, (x, y) in enumerate(zip(ids, head)) if x != y), min(len(ids), len(head)))
-    return len(ids) - shared
+    text, special = render(ctx.lm.tokenizer, inst.body(), ctx.lm.has_chat_template)
+    return answer_prefix_len(ctx.lm.tokenizer, ids, text, special)
+
+
+def _chain(ctx: Context) -> ChainSpec:
+    tok, p = ctx.lm.tokenizer, ctx.params
+    return ChainSpec(tuple(tok(p.cot_cue, add_special_tokens=False)["input_ids"]),
+                     tuple(tok("\n" + ANSWER_PREFIX, add_special_tokens=False)["input_ids"]), p.chain_tokens)
 
 
 def _decide(ctx: Context, mode: str, state: Any, suffix: list[int], actions: tuple[str, str],
             tokens: tuple[int, int]) -> dict[str, Any]:
     """The decision over ``state`` (a cache ending where the answer prefix ``suffix`` begins): direct, the
-    argmax of the two action tokens after the prefix; chain, after a bounded greedy chain."""
-    lm, p = ctx.lm, ctx.params
-    if mode == "direct":
-        lg = read_logits(lm, state, suffix)[0]
-        return {"decision": actions[0] if lg[tokens[0]] > lg[tokens[1]] else actions[1]}
-    cue = ctx.lm.tokenizer(p.cot_cue, add_special_tokens=False)["input_ids"]
-    answer = ctx.lm.tokenizer("\n" + ANSWER_PREFIX, add_special_tokens=False)["input_ids"]
-    out = chain_decision(lm, state, cue, answer, p.chain_tokens, actions, tokens)
-    return {k: out[k] for k in ("decision", "decided_by", "n_tokens", "text")}
+    argmax of the two action tokens after the prefix; chain, after a bounded greedy chain
+    (:func:`kvprobe.probes.decision.decide`). ``ld``: actions[0] minus actions[1] (the chain's forced read)."""
+    d = decide(ctx.lm, state, suffix, tokens, actions, mode, _chain(ctx) if mode == "chain" else None)  # type: ignore[arg-type]
+    out: dict[str, Any] = {"decision": actions[d.choice], "ld": d.ld}
+    if mode == "chain":
+        out.update(decided_by=d.decided_by, n_tokens=d.chain_tokens, text=d.chain_text)
+    return out
 
 
 def _e1_rows(ctx: Context, inst: Any, known: tuple[list[int], Any]) -> list[dict[str, Any]]:
@@ -183,14 +225,21 @@ def _e1_rows(ctx: Context, inst: Any, known: tuple[list[int], Any]) -> list[dict
     return out
 
 
-def _edit_row(ctx: Context, inst: Any, ids: list[int], r: int, base: Any, full_old: Any) -> dict[str, Any]:
+def _toggled(ctx: Context, inst: Any) -> tuple[Any, list[int], list[int], str, bool]:
+    """E3's toggle: one relevant stored fact flipped (the decision flips): the instance, its prompt ids, line
+    starts, prompt text and special-token flag."""
+    old_v = inst.value_of(inst.toggle)
+    new = inst.with_value(inst.toggle, VALUES[1 - VALUES.index(old_v)])
+    return (new, *render_ids(ctx.lm.tokenizer, new, ctx.lm.has_chat_template))
+
+
+def _edit_row(ctx: Context, inst: Any, ids: list[int], r: int, base: Any, full_ld: float) -> dict[str, Any]:
     """E3: toggle one relevant fact over the spliced cache ``base`` of the old memory; every method read in
-    every mode. ``full_old``: the full-recompute logits of the old prompt."""
+    every mode. ``full_ld``: full recompute's LD of the old prompt (old action minus new)."""
     lm, tok, chat, p = ctx.lm, ctx.lm.tokenizer, ctx.lm.has_chat_template, ctx.params
     old_v = inst.value_of(inst.toggle)
     new_v = VALUES[1 - VALUES.index(old_v)]
-    new = inst.with_value(inst.toggle, new_v)
-    new_ids, _, new_prompt, special = render_ids(tok, new, chat)
+    new, new_ids, _, new_prompt, special = _toggled(ctx, inst)
     if len(new_ids) != len(ids):
         return {"skipped": f"'{old_v}' and '{new_v}' tokenize to different lengths here"}
     slots = [i for i, (a, b) in enumerate(zip(ids, new_ids)) if a != b]
@@ -212,20 +261,79 @@ def _edit_row(ctx: Context, inst: Any, ids: list[int], r: int, base: Any, full_o
         for mode in p.modes:
             d = _decide(ctx, mode, res.state, res.suffix_ids, acts, tokens)
             row[name][mode] = d["decision"] == new.action
+            row[name][f"ld_{mode}"] = d["ld"]  # new action minus old (the chain's forced read)
             if mode == "chain":
                 row[name]["chain_decided_by"] = d["decided_by"]
         row[name]["correct"] = row[name][p.modes[0]]
     oracle = prefill(lm, new_ids[:-r])
-    row["oracle"] = {mode: _decide(ctx, mode, oracle, new_ids[-r:], acts, tokens)["decision"] == new.action
-                     for mode in p.modes}
+    oracle_reads = {mode: _decide(ctx, mode, oracle, new_ids[-r:], acts, tokens) for mode in p.modes}
+    row["oracle"] = {mode: d["decision"] == new.action for mode, d in oracle_reads.items()}
     row["oracle_correct"] = row["oracle"][p.modes[0]]
+    if "direct" in p.modes:  # field effect retained: (method - stale) / (oracle - full recompute of the old memory)
+        row["oracle_ld"] = oracle_reads["direct"]["ld"]
+        for name in results:
+            row[name]["retained"] = field_effect_retained(row[name]["ld_direct"], row["stale"]["ld_direct"],
+                                                          row["oracle_ld"], -full_ld)
     # negative control: an irrelevant setting toggled; under full recompute the decision must stay
     irr = inst.with_value(inst.irrelevant, VALUES[1 - VALUES.index(inst.value_of(inst.irrelevant))])
     irr_ids, _, _, _ = render_ids(tok, irr, chat)
     right, wrong = tokens[1], tokens[0]  # the old action's token first: the decision before the toggle
-    full_irr = read_logits(lm, prefill(lm, irr_ids[:-r]), irr_ids[-r:])[0]
-    row["irrelevant_toggle_kept"] = bool((full_old[right] > full_old[wrong]) == (full_irr[right] > full_irr[wrong]))
+    irr_ld = read_actions(lm, prefill(lm, irr_ids[:-r]), irr_ids[-r:], (right, wrong)).ld()
+    row["irrelevant_toggle_kept"] = bool((full_ld > 0) == (irr_ld > 0))
+    row["irrelevant_toggle_ld"] = irr_ld
     return row
+
+
+def _memory_ids(ctx: Context, inst: Any, ids: list[int], starts: list[int], r: int) -> dict[str, list[int]]:
+    """The content controls' prompts (the cache then ends ``r`` tokens before their end, at the same answer
+    prefix): another user's memory in place of this one, no memory, the relevant setting lines cut out."""
+    p, tok = ctx.params, ctx.lm.tokenizer
+    m0, m1 = starts[0], starts[-1]
+    out: dict[str, list[int]] = {}
+    if "wrong_memory" in p.controls:  # another user (the next index under another seed), the same layout and length
+        other = persona_instance(inst.index + 1, ctx.cfg.seed + 1, p.n_lines, n_relevant=p.n_relevant,
+                                 layout=inst.meta["layout"], placement=inst.placement)
+        o_ids, o_starts, _, _ = render_ids(tok, other, ctx.lm.has_chat_template)
+        out["wrong_memory"] = ids[:m0] + o_ids[o_starts[0]:o_starts[-1]] + ids[m1:]
+    if "no_memory" in p.controls:
+        out["no_memory"] = ids[:m0] + ids[m1:]
+    if "ablated" in p.controls:
+        cut = {inst.setting_line[s] for s in inst.relevant}
+        out["ablated"] = ids[:m0] + [t for i in range(len(starts) - 1) if i not in cut
+                                      for t in ids[starts[i]:starts[i + 1]]] + ids[m1:]
+    return out
+
+
+def _arm_states(ctx: Context, inst: Any, ids: list[int], starts: list[int], r: int,
+                compiled: Compiled) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The E2/E4 arms (seam{k}, no_rotation, blocks{S}) as the records have always had them, and the controls'
+    arms (with the treatments they need beyond those)."""
+    lm, p = ctx.lm, ctx.params
+    states = {f"seam{k}": _spliced(lm, ids, starts, r, seam=k, compiled=compiled) for k in p.seam_repair}
+    states["no_rotation"] = _spliced(lm, ids, starts, r, rotate=False, compiled=compiled)
+    states |= {f"blocks{s}": _spliced(lm, ids, starts, r, s, compiled=compiled) for s in p.blocks if s > 1}
+    extra: dict[str, Any] = {}
+    if "no_rotation_far" in p.controls:
+        extra["seam0_far"] = _spliced(lm, ids, starts, r, compiled=compiled, start=p.far_offset)
+        extra["no_rotation_far"] = _spliced(lm, ids, starts, r, rotate=False, compiled=compiled, start=p.far_offset)
+    if "shuffled" in p.controls:
+        s = p.shuffle_blocks
+        cuts = _cuts(starts, s)
+        if f"blocks{s}" not in states:
+            extra[f"blocks{s}"] = splice_spans(lm, ids, cuts, len(ids) - r, compiled=compiled)
+        extra["shuffled"] = splice_spans(lm, ids, cuts, len(ids) - r, order=list(range(len(cuts) - 2, -1, -1)),
+                                         compiled=compiled)
+    for name, other in _memory_ids(ctx, inst, ids, starts, r).items():
+        if name == "no_memory":
+            extra[name] = prefill(lm, other[:-r])
+        else:  # the other memory spliced as one block where this one was, as the treatment seam0 is
+            mem_end = len(other) - (len(ids) - starts[-1])
+            extra[name] = splice_spans(lm, other, [starts[0], mem_end], len(other) - r, compiled=compiled)
+    return states, extra
+
+
+def _control_names(p: Params) -> dict[str, str]:
+    return {c: t.format(s=p.shuffle_blocks) for c, t in CONTROLS.items() if c in p.controls}
 
 
 def run_instance(ctx: Context, inst: Any) -> dict[str, Any]:
@@ -234,29 +342,71 @@ def run_instance(ctx: Context, inst: Any) -> dict[str, Any]:
     r = answer_tokens(ctx, inst, ids)
     right, wrong = action_ids(tok, prompt, ids, special, (inst.action, inst.other_action))
     full_state = prefill(lm, ids[:-r])
-    full = read_logits(lm, full_state, ids[-r:])[0]
-    full_right = bool(full[right] > full[wrong])
-    compiled: dict[tuple[int, int], Any] = {}
-    states = {f"seam{k}": _spliced(lm, ids, starts, r, seam=k, compiled=compiled) for k in p.seam_repair}
-    states["no_rotation"] = _spliced(lm, ids, starts, r, rotate=False, compiled=compiled)
-    states |= {f"blocks{s}": _spliced(lm, ids, starts, r, s, compiled=compiled) for s in p.blocks if s > 1}
-    logits = read_logits(lm, list(states.values()), ids[-r:], batch_size=ctx.cfg.batch_size)
+    full_read = read_actions(lm, full_state, ids[-r:], (right, wrong))
+    full, full_ld = full_read.logits[0], full_read.ld()
+    full_right = full_ld > 0
+    compiled: Compiled = {}
+    states, extra = _arm_states(ctx, inst, ids, starts, r, compiled)
+    reads = read_actions(lm, list(states.values()), ids[-r:], (right, wrong), batch_size=ctx.cfg.batch_size)
     mem = starts[-1] - starts[0]
     row: dict[str, Any] = {**inst.row(), "included": True, "n_tokens": len(ids), "memory_tokens": mem,
-                           "answer_prefix_tokens": r, "full_correct": full_right,
-                           "full_ld": float(full[right] - full[wrong])}
+                           "answer_prefix_tokens": r, "full_correct": full_right, "full_ld": full_ld}
+    arms: dict[str, dict[str, Any]] = {}
     for i, name in enumerate(states):
-        row[f"{name}_agree"] = bool(logits[i, right] > logits[i, wrong]) == full_right
-        row[f"{name}_cosine"] = float(logit_cosine(logits[i], full))
+        row[f"{name}_agree"] = (reads.ld(i) > 0) == full_right
+        row[f"{name}_cosine"] = float(logit_cosine(reads.logits[i], full))
+        row[f"{name}_ld"] = reads.ld(i)
+        arms[name] = arm_entry(reads.ld(i), full_ld, agree=row[f"{name}_agree"])
+    for name, rd in read_named(lm, extra, ids[-r:], (right, wrong), ctx.cfg.batch_size).items():
+        arms[name] = arm_entry(rd.ld(), full_ld, agree=(rd.ld() > 0) == full_right,
+                               cosine=float(logit_cosine(rd.logits[0], full)))
     row["blocks1_agree"], row["blocks1_cosine"] = row["seam0_agree"], row["seam0_cosine"]
     row["edit_cost"] = {str(s): max(b - a for a, b in zip(_cuts(starts, s), _cuts(starts, s)[1:])) / mem
                         for s in p.blocks}
+    controls = _control_names(p)
+    if p.field_effect:
+        row["toggled"] = _toggled_arms(ctx, inst, ids, r, (right, wrong), arms, full_ld, controls)
+    if "no_rotation_far" in controls:
+        row["far_distance"] = p.far_offset + starts[0]  # the memory lands this far from where it was precompiled
+        row["far_check"] = far_check(arms["seam0_far"]["ld"], arms["seam0"]["ld"])
+    row["graded"] = {"arms": arms}
+    row["controls"] = {c: control_entry(t, row["toggled"]["arms"] if c == "stale" else arms, c)
+                       for c, t in controls.items() if c != "stale" or "arms" in row.get("toggled", {})}
+    if not row["controls"]:
+        del row["controls"]
     if p.edit:
         base = states["seam1"] if "seam1" in states else _spliced(lm, ids, starts, r, seam=1, compiled=compiled)
-        row["edit"] = _edit_row(ctx, inst, ids, r, base, full)
+        row["edit"] = _edit_row(ctx, inst, ids, r, base, full_ld)
     if p.e1_lines:
         row["e1"] = _e1_rows(ctx, inst, (ids, full_state))
     return row
+
+
+def _toggled_arms(ctx: Context, inst: Any, ids: list[int], r: int, tokens: tuple[int, int],
+                  arms: dict[str, dict[str, Any]], full_ld: float, controls: dict[str, str]) -> dict[str, Any]:
+    """Every arm rebuilt on the memory with E3's relevant setting toggled, read in the original's orientation
+    (the original's right minus wrong action); each arm's field effect retained is written into ``arms``. With
+    the stale control, the old memory's full-recompute cache read for the toggled prompt (its LD is the old
+    prompt's: retained 0)."""
+    lm = ctx.lm
+    new, n_ids, n_starts, _, _ = _toggled(ctx, inst)
+    if n_ids[-r:] != ids[-r:] or answer_tokens(ctx, new, n_ids) != r:
+        return {"skipped": "the toggled prompt ends in another answer prefix"}
+    compiled: Compiled = {}
+    states, extra = _arm_states(ctx, new, n_ids, n_starts, r, compiled)
+    new_full = read_actions(lm, prefill(lm, n_ids[:-r]), n_ids[-r:], tokens).ld()
+    out: dict[str, Any] = {"full_ld": new_full, "action": new.action}
+    new_arms = {}
+    for name, rd in read_named(lm, {**states, **extra}, n_ids[-r:], tokens, ctx.cfg.batch_size).items():
+        ret = field_effect_retained(rd.ld(), arms[name]["ld"], new_full, full_ld)
+        new_arms[name] = arm_entry(rd.ld(), new_full, ret, agree=(rd.ld() > 0) == (new_full > 0))
+        if ret is not None:
+            arms[name]["retained"] = ret
+    if "stale" in controls:
+        new_arms["stale"] = arm_entry(full_ld, new_full, field_effect_retained(full_ld, full_ld, new_full, full_ld),
+                                      agree=(full_ld > 0) == (new_full > 0))
+    out["arms"] = new_arms
+    return out
 
 
 def _e1_summary(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -336,9 +486,29 @@ def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
                                     for mode in p.modes}}
         for m in EDITS:  # the first mode's rate under the key older readers use
             out["edit"]["methods"][m]["p_correct"] = out["edit"]["methods"][m][f"p_correct_{p.modes[0]}"]
+            for key in [f"ld_{mode}" for mode in p.modes] + ["retained"]:  # graded: LD (new - old action), retained
+                vals = [r["edit"][m].get(key) for r in edited]
+                if any(v is not None for v in vals):
+                    out["edit"]["methods"][m][key] = summarize_column(edited, vals, ctx.cfg.seed)
     if p.e1_lines:
         out["e1"] = _e1_summary(ctx, rows)
         out["row_measures"] = out["e1"].pop("row_measures")
+    out |= graded_summary(ctx, rows)
+    return out
+
+
+def graded_summary(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The graded block: each arm's LD, LD error and field effect retained; each must-fail control beside its
+    treatment (cluster CIs by lead setting)."""
+    seed, out = ctx.cfg.seed, {}
+    if any("graded" in r for r in rows):
+        out["graded"] = arms_summary([(r["scenario"], r["graded"]["arms"]) for r in rows if "graded" in r], seed)
+    if any("controls" in r for r in rows):
+        out["controls"] = controls_summary([(r["scenario"], r["controls"]) for r in rows if "controls" in r], seed)
+        far = [r["far_distance"] for r in rows if "far_distance" in r]
+        if far:
+            out["far_distance_min"] = min(far)
+            out["far_check_max"] = max(r["far_check"] for r in rows if "far_check" in r)
     return out
 
 
@@ -400,6 +570,15 @@ def table(s: dict[str, Any]) -> str:
         for mode, mc in mcs.items():
             lines.append(f"  McNemar erratum vs in_place ({mode}): {mc['a_only']} vs {mc['b_only']} discordant, "
                          f"p {mc['p']:.2g}")
+        if any("retained" in b for b in e["methods"].values()):
+            lines.append("  field effect retained (direct): " + "; ".join(
+                f"{m} {ci_cell(b['retained'])}" for m, b in e["methods"].items() if "retained" in b))
+    if "graded" in s or "controls" in s:
+        lines.append("E2/E4 graded measures and must-fail controls (late memory, vs full recompute"
+                     + (f"; no_rotation_far lands >= {s['far_distance_min']} positions from its precompile; the "
+                        f"re-rotated splice moved there vs in place: max |dLD| {s['far_check_max']:.1e}, ~0 if exact"
+                        if "far_distance_min" in s else "") + "):")
+        lines += graded_lines(s.get("graded"), s.get("controls"))
     return "\n".join(lines)
 
 
@@ -414,12 +593,15 @@ def headline(s: dict[str, Any]) -> str:
         cells.append(f"E1 at {n} lines early/late " + ", ".join(
             f"{mode} " + "/".join(f"{e1['accuracy'][mode][pl][n]['mean']:.2f}" for pl in e1["placements"])
             for mode in e1["modes"]))
+    if s.get("controls"):
+        cells.append(controls_headline(s["controls"]))
     acc = s["full_accuracy"]
     chance = "" if acc.get("ci_low") is not None and acc["ci_low"] > 0.5 else " (at chance: E1/E3 uninformative)"
     return "; ".join(cells) + f"; full acc {acc['mean']:.2f}{chance}; n {s['n_instances']}"
 
 
 EXPERIMENT = Experiment(
+    section="sec7", section_order=1,
     name="memory", doc=__doc__, params=Params, make_instances=make_instances, run_instance=run_instance,
     summarize=summarize_rows, table=table, headline=headline,
     paper=paper_headlines("memory"),
@@ -442,4 +624,17 @@ EXPERIMENT = Experiment(
               "describe", "e1_chain.early_correct", "e1_chain.late_correct", gated=False, role="effect", competence=("full_correct",)),
         Claim("memory_irrelevant_toggle", "toggling an irrelevant setting keeps the full-recompute decision", "at_least", "edit.irrelevant_toggle_kept",
               bound=1 - ACCURACY_MARGIN, gated=False, role="control", competence=("full_correct",)),
+        # Must-fail controls beside their treatment, graded (LD nats; no competent model needed), each by a margin of
+        # kvprobe's own (SEPARATION_MARGIN, RETAINED_MARGIN in kvprobe.claims): rows of records run with the control.
+        Claim("memory_far_rotation_separation", "the late memory spliced without re-rotation >= 2,000 positions "
+              "from its precompile is further from full recompute's LD than the re-rotated splice there, by more "
+              f"than kvprobe's margin ({SEPARATION_MARGIN} nats)", "greater", "controls.no_rotation_far.separation",
+              SEPARATION_MARGIN, gated=False, role="control"),
+        Claim("memory_wrong_memory_separation", "another user's memory spliced in place is further from full "
+              f"recompute's LD than the right memory's splice, by more than kvprobe's margin ({SEPARATION_MARGIN} "
+              "nats)", "greater", "controls.wrong_memory.separation", SEPARATION_MARGIN, gated=False, role="control"),
+        Claim("memory_stale_retained_separation", "the spliced memory retains more of full recompute's response "
+              "to a toggled stored fact than a stale cache (retained 0), by more than kvprobe's margin "
+              f"({RETAINED_MARGIN})", "greater", "controls.stale.retained_separation", RETAINED_MARGIN, gated=False,
+              role="control"),
     ))

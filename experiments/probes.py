@@ -91,6 +91,7 @@ def headline(s: dict[str, Any]) -> str:
 
 
 EXPERIMENT = Experiment(name="probes", doc=__doc__, params=Params, run_instance=run_instance,
+                        section="sec3", section_order=5,
                         summarize=summarize_rows, make_instances=polarity_instances, table=table, headline=headline,
                         paper=paper_headlines("probes"),
                         # No row claim: held-out probe accuracy is one group-CV fit over all rows (a summary

@@ -358,6 +358,7 @@ def headline(s: dict[str, Any]) -> str:
 
 
 EXPERIMENT = Experiment(name="sae", doc=__doc__, params=Params, run_instance=run_instance, summarize=summarize_rows,
+                        section="appD", section_order=5,
                         make_instances=_make_instances, setup=setup, table=table, headline=headline,
                         paper=paper_headlines("sae"),
                         claims=tuple(c for stem in ("gated", "polarity") for c in (

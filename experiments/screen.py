@@ -59,7 +59,7 @@ from kvprobe.tasks.locomo import normalize_answer
 from kvprobe.tasks.memory import ANSWER_PREFIX, VALUES, action_ids, render_ids, toggle_twohop
 from kvprobe.paper import headlines as paper_headlines
 from kvprobe.schema import distinct_subset
-from kvprobe.claims import COMPETENCE_GATE
+from kvprobe.competence import COMPETENCE_GATE, is_competent
 
 TASKS = ("memory", "tau2", "twohop_blocks", "agent", "locomo", "edit_in_transplant")
 EXPERIMENTS = {"memory": memory, "tau2": tau2, "twohop_blocks": twohop_blocks, "agent": agent, "locomo": locomo,
@@ -339,7 +339,7 @@ def cell(rows: list[dict[str, Any]], mode: str, p: Params, seed: int = 0) -> dic
                           f">= {p.min_instances} and >= {p.min_clusters})")
         return out
     above = acc["ci_low"] is not None and acc["ci_low"] > CHANCE
-    out["competent"] = bool(above and acc["mean"] >= p.gate)
+    out["competent"] = is_competent(acc["mean"], acc["ci_low"], p.gate, CHANCE)
     out["verdict"] = ("competent" if out["competent"] else
                       f"below the gate: accuracy {acc['mean']:.2f} [{acc['ci_low']:.2f}, {acc['ci_high']:.2f}] "
                       + ("is above chance but under " if above else "is not above chance; gate ") + f"{p.gate:.2f}")
@@ -386,6 +386,7 @@ def headline(s: dict[str, Any]) -> str:
 
 
 EXPERIMENT = Experiment(
+    section="screen",
     name="screen", doc=__doc__, params=Params, make_instances=make_instances, run_instance=run_instance,
     summarize=summarize_rows, table=table, headline=headline, needs_template=True,
     paper=paper_headlines("screen"),

@@ -108,6 +108,7 @@ def headline(s: dict[str, Any]) -> str:
 
 
 EXPERIMENT = Experiment(name="scrubbing", doc=__doc__, params=Params, run_instance=run_instance,
+                        section="appD", section_order=3,
                         summarize=summarize_rows, table=table, headline=headline,
                         paper=paper_headlines("scrubbing"),
                         claims=(near("drift_zero", "same-conclusion resampling is faithful: drift ~ 0",

@@ -25,8 +25,10 @@ from kvprobe.patching.sweep import KVPatch
 from kvprobe.claims import Claim
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.probes.common import RankingParams, case_row, probe_case, rank_positions
-from kvprobe.probes.controls import crossfit_cell, crossfit_positions, crossfit_summary, keep_ranking
-from kvprobe.probes.summary import format_recovery_table, gate_summary, headline_stats, recovery_summary
+from kvprobe.probes.controls import (Crossfit, PositionsCrossfitRow, crossfit_cell, crossfit_positions,
+                                     crossfit_summary, keep_ranking)
+from kvprobe.probes.summary import (CaseRow, GatedSummary, Split, format_recovery_table, gate_summary, headline_stats,
+                                    recovery_summary)
 from kvprobe.paper import headlines as paper_headlines
 
 
@@ -36,6 +38,31 @@ class Params(RankingParams):
     exclude_top: bool = Field(False, description="draw random positions only outside the top-k")
     include_field: bool = Field(False, description="also patch the field's slots in every cell")
     decode_top: int = Field(16, ge=0)
+
+
+class Summary(GatedSummary):
+    """What the headline, table, claims and Table 4 (right) read (kvprobe.runner.shapes)."""
+
+    ks: list[int]
+    recovery: dict[str, Split]  # top<k> and rand<k> per k
+    row_measures: dict[str, Any] | None = None  # None: not cross-fitted (fewer than two scenario folds)
+    crossfit: Crossfit | None = None
+
+
+class CrossfitRow(PositionsCrossfitRow):
+    top8: float | None = None
+    top16: float | None = None
+
+
+class Row(CaseRow):
+    """A row as the claims read it (with the summary's row measures): ``top<k>`` and ``rand<k>`` per k run (the
+    claims read the default ks, 8 and 16)."""
+
+    top8: float | None = None
+    rand8: float | None = None
+    top16: float | None = None
+    rand16: float | None = None
+    crossfit: CrossfitRow | None = None
 
 
 def keys(ks: list[int]) -> list[str]:
@@ -85,21 +112,25 @@ def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def headline(s: dict[str, Any]) -> str:
-    text = headline_stats(s, "recovery", {k: k.replace("rand", "rand-").replace("top", "top-") for k in keys(s["ks"])})
-    if "crossfit" in s:  # records written before cross-fitting have none
-        text = "; ".join(crossfit_cell(s["crossfit"], k) for k in s["ks"]) + "; in-sample: " + text
+    m = Summary.model_validate(s)
+    text = headline_stats(s, "recovery", {k: k.replace("rand", "rand-").replace("top", "top-") for k in keys(m.ks)})
+    if m.crossfit is not None:
+        text = "; ".join(crossfit_cell(m.crossfit, k) for k in m.ks) + "; in-sample: " + text
     return text
 
 
 def table(s: dict[str, Any]) -> str:
-    text = format_recovery_table(s, keys(s["ks"]))
-    if "crossfit" in s:
-        text += "\n" + "\n".join(crossfit_cell(s["crossfit"], k) for k in s["ks"])
+    m = Summary.model_validate(s)
+    text = format_recovery_table(s, keys(m.ks))
+    if m.crossfit is not None:
+        text += "\n" + "\n".join(crossfit_cell(m.crossfit, k) for k in m.ks)
     return text
 
 
 EXPERIMENT = Experiment(name="specificity", doc=__doc__, params=Params, run_instance=run_instance,
+                        section="appC", section_order=3,
                         summarize=summarize_rows, table=table, headline=headline,
+                        summary_model=Summary, row_model=Row,
                         paper=paper_headlines("specificity"),
                         # The paper's specificity control; top-k is ranked on the instances it is scored on, so beating random-k is
                         # largely by selection: controls, not effects.

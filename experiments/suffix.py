@@ -33,8 +33,9 @@ from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.probes.common import RankingParams, binned_profile, curve_summary, curves_table, rank_positions
 from kvprobe.patching.ranking import sweep_recovery
 from kvprobe.patching.sweep import KVPatch
-from kvprobe.probes.controls import crossfit_cell, crossfit_positions, crossfit_summary, keep_ranking
-from kvprobe.probes.summary import ci_cell, gate_summary, headline_stats, recovery_summary, summarize_column, which
+from kvprobe.probes.controls import Crossfit, PositionsCrossfitRow, crossfit_positions, crossfit_summary, keep_ranking
+from kvprobe.probes.summary import (CaseRow, Curve, GatedSummary, Split, Stat, ci_cell, gate_summary, headline_stats,
+                                    recovery_summary, summarize_column)
 from kvprobe.paper import headlines as paper_headlines
 
 
@@ -45,6 +46,36 @@ class Params(RankingParams):
     per_layer: bool = Field(True, description="also patch all downstream positions at each single layer")
     decode_top: int = Field(8, ge=0)
     position_bins: int = Field(20, ge=1, description="bins of relative downstream position in the summary")
+
+
+class Band(Split):
+    layers: list[int]  # first and last layer of the band
+
+
+class Summary(GatedSummary):
+    """What the headline, table, claims and Figure 3b/3c read (kvprobe.runner.shapes)."""
+
+    include_field: bool
+    recovery: dict[str, Split]  # field_only, full_downstream
+    cumulative: Curve
+    per_layer: Curve  # {} when params.per_layer is off
+    layer_bands: list[Band]
+    position_profile: Curve
+    top1_offset: Stat
+    most_frequent_top_tokens: list[tuple[str, int]]
+    row_measures: dict[str, Any] | None = None  # None: not cross-fitted (fewer than two scenario folds)
+    crossfit: Crossfit | None = None
+
+
+class CrossfitRow(PositionsCrossfitRow):
+    top8: float | None = None
+
+
+class Row(CaseRow):
+    """A row as the claims read it (with the summary's row measures)."""
+
+    cumulative: dict[str, float | None]
+    crossfit: CrossfitRow | None = None
 
 
 def run_instance(ctx: Context, inst: Any) -> dict[str, Any]:
@@ -106,29 +137,34 @@ def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def table(s: dict[str, Any]) -> str:
+    m = Summary.model_validate(s)
     text = curves_table(s, [("cumulative recovery, top-K downstream positions"
-                             + (" + field" if s["include_field"] else ""), "cumulative")])
-    w = which(s)
-    bands = "  ".join(f"L{b['layers'][0]}-{b['layers'][1]} {b[w]['mean']:+.3f}" for b in s["layer_bands"]
-                      if b[w]["mean"] is not None)
-    tokens = ", ".join(f"{t!r}x{c}" for t, c in s["most_frequent_top_tokens"])
+                             + (" + field" if m.include_field else ""), "cumulative")])
+    w = m.which
+    bands = "  ".join(f"L{b.layers[0]}-{b.layers[1]} {b.over(w).mean:+.3f}" for b in m.layer_bands
+                      if b.over(w).mean is not None)
+    tokens = ", ".join(f"{t!r}x{c}" for t, c in m.most_frequent_top_tokens)
     return f"{text}\nlayer bands (all downstream positions there): {bands}\ntop tokens: {tokens}"
 
 
 def headline(s: dict[str, Any]) -> str:
-    top = max(s["per_layer"], key=lambda layer: s["per_layer"][layer][which(s)]["mean"] or 0.0)
-    tokens = ", ".join(repr(tok) for tok, _ in s["most_frequent_top_tokens"][:3])
+    m = Summary.model_validate(s)
+    top = max(m.per_layer, key=lambda layer: m.per_layer[layer].over(m.which).mean or 0.0)
+    tokens = ", ".join(repr(tok) for tok, _ in m.most_frequent_top_tokens[:3])
     cf = ""
-    if "crossfit" in s and "8" in s["crossfit"]:  # records written before cross-fitting have none
-        c = s["crossfit"]["8"]["in_sample_vs_crossfit"]
-        cf = (f"cross-fit top-8 {ci_cell(c['control'])} vs in-sample {ci_cell(c['effect'])} (n {s['crossfit']['n']}, "
-              f"{s['crossfit']['n_clusters']} scenarios); ")
+    top8 = m.crossfit.at(8) if m.crossfit is not None else None
+    if top8 is not None:
+        c = top8.in_sample_vs_crossfit
+        cf = (f"cross-fit top-8 {ci_cell(c.control)} vs in-sample {ci_cell(c.effect)} (n {m.crossfit.n}, "
+              f"{m.crossfit.n_clusters} scenarios); ")
     return (cf + headline_stats(s, "cumulative", {"1": "top-1", "8": "top-8", "all": "all downstream"})
             + f"; strongest single layer {top}; commonest top tokens {tokens}")
 
 
 EXPERIMENT = Experiment(name="suffix", doc=__doc__, params=Params, run_instance=run_instance,
+                        section="sec3", section_order=3,
                         summarize=summarize_rows, table=table, headline=headline,
+                        summary_model=Summary, row_model=Row,
                         paper=paper_headlines("suffix"),
                         # Fig. 3b's own top-8 (released locality_topk at k = 8): Llama 0.27, Qwen3-8B 0.82, 4B 0.58, 14B 0.43, 32B
                         # 0.30, Gemma-2 0.52, Mistral 0.37. (The specificity table's 0.74-0.79 is another experiment;

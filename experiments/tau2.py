@@ -27,6 +27,16 @@ are prefilled once and every order's record is prefilled over them (causally the
 prefill; the record carries the first order's max |logit difference| against a true full prefill). Full
 reprefill is counted as 100% recompute all the same.
 
+Graded measures (:mod:`kvprobe.probes.graded`; they read even where every decision is the same): each mode's
+LD(deny - cancel), its distance from full recompute's, and the *field effect retained*: (LD in arm B - LD in arm A,
+each under the mode's cache) / (the same under full recompute), where an edit's arm-A cache is the stale one and the
+transplant's is its own arm-A splice. The stale cache retains 0 by construction: it is the must-fail control beside
+field+erratum, with the separation (LD error, retained) and its cluster CI. ``controls`` adds two more must-fail
+arms beside their treatments, in both arms: ``no_rotation_far`` (the policy spliced without re-rotation into a
+context moved ``far_offset`` positions up; treatment ``transplant_far``, the re-rotated splice there) and
+``shuffled`` (the policy cut into ``shuffle_blocks`` blocks spliced in reverse order; treatment ``blocks``, the
+same blocks in order).
+
 Where our setting differs: small CPU models that were not trained on this task; if no model decides above
 chance the record says so (``competent``), and the transplant's agreement with full recompute, which needs
 no competent model, is the finding.
@@ -36,17 +46,20 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kvprobe.claims import ACCURACY_MARGIN, Claim
+from kvprobe.claims import ACCURACY_MARGIN, RETAINED_MARGIN, SEPARATION_MARGIN, Claim
 from kvprobe.envs import tau2_retail
 from kvprobe.kv import edit
-from kvprobe.kv.compose import Live, Spliced, assemble, precompile
-from kvprobe.kv.readout import prefill, read_logits
+from kvprobe.kv.compose import Live, Spliced, assemble, precompile, splice_spans
+from kvprobe.kv.readout import prefill
 from kvprobe.kv.state import KVState
 from kvprobe.metrics import logit_cosine
+from kvprobe.probes.decision import ActionReads, read_actions
+from kvprobe.probes.graded import (FAR_OFFSET, arm_entry, arms_summary, control_entry, controls_headline,
+                                   controls_summary, far_check, field_effect_retained, graded_lines, pick)
 from kvprobe.probes.summary import ci_cell
+from kvprobe.schema import hash_neutral
 from kvprobe.runner.experiment import Context, Experiment
 from kvprobe.stats.inference import summarize_proportion
 from kvprobe.tasks.edits import prompt_ids
@@ -59,6 +72,7 @@ CONVERSATION = "CONVERSATION SO FAR"
 TASK = "TASK"
 ARM_B = ("stale", "in_place", "erratum", "field_erratum", "transplant", "full_reprefill")
 ARM_A = ("full", "transplant")
+CONTROLS = {"no_rotation_far": "transplant_far", "shuffled": "blocks"}  # must-fail control -> its treatment
 
 
 class Params(BaseModel):
@@ -68,6 +82,16 @@ class Params(BaseModel):
                          "any earlier value. Apply the current value.", description="over {order_id}, {new_value}")
     competence_bound: float = Field(0.5, description="a model decides above chance when the lower exact bound of "
                                                      "its full-recompute accuracy over both arms exceeds this")
+    controls: list[str] = hash_neutral([], description="must-fail controls beside their treatment, both arms: "
+                                       + ", ".join(CONTROLS) + " (the stale cache is always one)")
+    far_offset: int = hash_neutral(FAR_OFFSET, ge=2000, description="no_rotation_far: the context moved this many "
+                                   "positions up (the policy lands >= this far from where it was precompiled)")
+    shuffle_blocks: int = hash_neutral(4, ge=2, description="shuffled: the policy cut into this many blocks")
+
+    @field_validator("controls")
+    @classmethod
+    def _controls(cls, v: list[str]) -> list[str]:
+        return pick(v, list(CONTROLS), "controls")
 
 
 def order_instance(index: int, order: dict[str, Any], new_status: str) -> GatedInstance:
@@ -96,14 +120,24 @@ def make_instances(ctx: Context) -> list[Any]:
 
 
 def setup(ctx: Context) -> None:
-    """The shared prefix (preamble + policy) prefilled once, and the policy precompiled alone and spliced."""
-    lm = ctx.lm
+    """The shared prefix (preamble + policy) prefilled once, and the policy precompiled alone and spliced (and
+    the controls' splices of it)."""
+    lm, p = ctx.lm, ctx.params
     first = ctx.scratch["first"]
     ids, (c0, c1) = segment_prompt(lm.tokenizer, first, first.old_value, lm.has_chat_template,
                                    ["# Retail agent policy", RECORD_HEADER])
+    compiled: dict[tuple[int, ...], KVState] = {}
+    spliced = {"transplant": assemble(lm, [Live(tuple(ids[:c0])), Spliced(tuple(ids[c0:c1]), precompile(lm, ids[c0:c1]))])}
+    if "no_rotation_far" in p.controls:
+        for name, rotate in (("transplant_far", True), ("no_rotation_far", False)):
+            spliced[name] = splice_spans(lm, ids[:c1], [c0, c1], rotate=rotate, start=p.far_offset, compiled=compiled)
+    if "shuffled" in p.controls:
+        cuts = [c0 + round(i * (c1 - c0) / p.shuffle_blocks) for i in range(p.shuffle_blocks + 1)]
+        spliced["blocks"] = splice_spans(lm, ids[:c1], cuts, compiled=compiled)
+        spliced["shuffled"] = splice_spans(lm, ids[:c1], cuts, order=list(range(p.shuffle_blocks - 1, -1, -1)),
+                                           compiled=compiled)
     ctx.scratch.update(prefix_ids=ids[:c1], policy_span=(c0, c1), shared=prefill(lm, ids[:c1]),
-                       transplanted=assemble(lm, [Live(tuple(ids[:c0])),
-                                                  Spliced(tuple(ids[c0:c1]), precompile(lm, ids[c0:c1]))]))
+                       transplanted=spliced["transplant"], spliced=spliced)
 
 
 def _over_prefix(ctx: Context, ids: list[int]) -> KVState:
@@ -114,14 +148,16 @@ def _over_prefix(ctx: Context, ids: list[int]) -> KVState:
     return prefill(ctx.lm, ids[cut:], prior=ctx.scratch["shared"])
 
 
-def _decide(logits: torch.Tensor, pair: Any) -> str:
-    return "cancel" if float(logits[pair.old_action_id]) > float(logits[pair.new_action_id]) else "deny"
+def _decide(read: ActionReads) -> str:
+    """cancel where the cancel token wins (the read's tokens are (cancel, deny))."""
+    return "cancel" if read.choice() == 0 else "deny"
 
 
 def run_instance(ctx: Context, inst: Any) -> dict[str, Any]:
     lm, p, tok, chat = ctx.lm, ctx.params, ctx.lm.tokenizer, ctx.lm.has_chat_template
     pair = tokenize_pair(tok, inst, chat)
     ctx_old, ctx_new, suffix = pair.ids_old[:-1], pair.ids_new[:-1], pair.ids_old[-1:]
+    tokens = (pair.old_action_id, pair.new_action_id)  # (cancel, deny): ld = cancel - deny
     stale = _over_prefix(ctx, ctx_old)
     e = edit.FieldEdit(stale, ctx_old, ctx_new, pair.field_slots, suffix)
     order_id = inst.meta["order_id"]
@@ -141,29 +177,59 @@ def run_instance(ctx: Context, inst: Any) -> dict[str, Any]:
                "full_reprefill": edit.EditResult(_over_prefix(ctx, ctx_new), suffix, len(ctx_new), len(ctx_new))}
     c0, c1 = ctx.scratch["policy_span"]
     spliced_fraction = (len(ctx_new) - (c1 - c0)) / len(ctx_new)
-    logits_b = {n: read_logits(lm, r.state, r.suffix_ids)[0] for n, r in results.items()}
-    logits_b["transplant"] = read_logits(lm, transplant_b, suffix)[0]
-    logits_a = {"full": read_logits(lm, stale, suffix)[0], "transplant": read_logits(lm, transplant_a, suffix)[0]}
+    reads_b = {n: read_actions(lm, r.state, r.suffix_ids, tokens) for n, r in results.items()}
+    reads_b["transplant"] = read_actions(lm, transplant_b, suffix, tokens)
+    reads_a = {"full": read_actions(lm, stale, suffix, tokens), "transplant": read_actions(lm, transplant_a, suffix, tokens)}
     arm_b = {}
-    for name, lo in logits_b.items():
+    for name, rd in reads_b.items():
         frac = spliced_fraction if name == "transplant" else results[name].recompute_fraction
-        arm_b[name] = {**tau2_retail.score(_decide(lo, pair), order_id, p.changed_status), "recompute_fraction": frac,
-                       "ld_deny_minus_cancel": float(lo[pair.new_action_id] - lo[pair.old_action_id])}
-    arm_a = {name: {**tau2_retail.score(_decide(lo, pair), order_id, None),
-                    "ld_deny_minus_cancel": float(lo[pair.new_action_id] - lo[pair.old_action_id])}
-             for name, lo in logits_a.items()}
+        arm_b[name] = {**tau2_retail.score(_decide(rd), order_id, p.changed_status), "recompute_fraction": frac,
+                       "ld_deny_minus_cancel": -rd.ld()}
+    arm_a = {name: {**tau2_retail.score(_decide(rd), order_id, None), "ld_deny_minus_cancel": -rd.ld()}
+             for name, rd in reads_a.items()}
     arm_a["full"]["recompute_fraction"], arm_a["transplant"]["recompute_fraction"] = 1.0, spliced_fraction
     row = {**inst.row(), "n_tokens": len(pair), "policy_tokens": c1 - c0, "field_slots": pair.field_slots,
            "erratum_text": line, "arm_a": arm_a, "arm_b": arm_b,
            "transplant_vs_full": {
-               "cosine_a": float(logit_cosine(logits_a["transplant"], logits_a["full"])),
-               "cosine_b": float(logit_cosine(logits_b["transplant"], logits_b["full_reprefill"])),
-               "agree_a": _decide(logits_a["transplant"], pair) == _decide(logits_a["full"], pair),
-               "agree_b": _decide(logits_b["transplant"], pair) == _decide(logits_b["full_reprefill"], pair)}}
+               "cosine_a": float(logit_cosine(reads_a["transplant"].logits[0], reads_a["full"].logits[0])),
+               "cosine_b": float(logit_cosine(reads_b["transplant"].logits[0], reads_b["full_reprefill"].logits[0])),
+               "agree_a": _decide(reads_a["transplant"]) == _decide(reads_a["full"]),
+               "agree_b": _decide(reads_b["transplant"]) == _decide(reads_b["full_reprefill"])}}
+    row.update(_graded(ctx, arm_a, arm_b, {"a": ctx_old[cut:], "b": ctx_new[cut:]}, suffix, tokens))
     if inst.index == ctx.scratch["first"].index:  # prefix caching = full prefill, checked once
-        full = read_logits(lm, prefill(lm, ctx_old), suffix)[0]
-        row["prefix_cache_max_abs_logit_diff"] = float((full - logits_a["full"]).abs().max())
+        full = read_actions(lm, prefill(lm, ctx_old), suffix, tokens).logits[0]
+        row["prefix_cache_max_abs_logit_diff"] = float((full - reads_a["full"].logits[0]).abs().max())
     return row
+
+
+def _graded(ctx: Context, arm_a: dict[str, Any], arm_b: dict[str, Any], records: dict[str, list[int]],
+            suffix: list[int], tokens: tuple[int, int]) -> dict[str, Any]:
+    """Per mode: LD(deny - cancel), its distance from full recompute's and the field effect retained (arm B - arm
+    A under the mode's cache, over the same under full recompute); the controls' splices read in both arms; the
+    must-fail controls beside their treatments."""
+    lm = ctx.lm
+    full_a, full_b = arm_a["full"]["ld_deny_minus_cancel"], arm_b["full_reprefill"]["ld_deny_minus_cancel"]
+    olds = {"transplant": arm_a["transplant"]["ld_deny_minus_cancel"]}  # an edit's arm-A cache: the stale one
+    lds_a = {"full": full_a, "transplant": olds["transplant"]}
+    lds_b = {m: arm_b[m]["ld_deny_minus_cancel"] for m in arm_b}
+    for name, st in ctx.scratch["spliced"].items():  # the controls' splices and their treatments
+        if name == "transplant":
+            continue
+        lds_a[name] = -read_actions(lm, prefill(lm, records["a"], prior=st), suffix, tokens).ld()
+        lds_b[name] = -read_actions(lm, prefill(lm, records["b"], prior=st), suffix, tokens).ld()
+        olds[name] = lds_a[name]
+    graded_b = {m: arm_entry(ld, full_b, field_effect_retained(ld, olds.get(m, full_a), full_b, full_a),
+                             agree=(ld > 0) == (full_b > 0)) for m, ld in lds_b.items()}
+    graded_a = {m: arm_entry(ld, full_a, agree=(ld > 0) == (full_a > 0)) for m, ld in lds_a.items()}
+    controls = {"stale": control_entry("field_erratum", graded_b, "stale")}
+    for c, t in CONTROLS.items():
+        if c in graded_b:  # judged in arm B (where the field changed), with each side's retained field effect
+            controls[c] = control_entry(t, graded_b, c)
+    out: dict[str, Any] = {"graded": {"arm_a": graded_a, "arm_b": graded_b}, "controls": controls}
+    if "transplant_far" in lds_b:  # exact re-rotation: moving the context up changes nothing
+        out["far_check"] = max(far_check(lds_a["transplant_far"], lds_a["transplant"]),
+                               far_check(lds_b["transplant_far"], lds_b["transplant"]))
+    return out
 
 
 def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -190,6 +256,14 @@ def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:
         "cosine_a_mean": sum(t["cosine_a"] for t in tv) / len(tv), "cosine_b_mean": sum(t["cosine_b"] for t in tv) / len(tv),
         "cosine_min": min(min(t["cosine_a"], t["cosine_b"]) for t in tv)}
     out["prefix_cache_max_abs_logit_diff"] = max((r.get("prefix_cache_max_abs_logit_diff", 0.0) for r in rows))
+    seed = ctx.cfg.seed
+    if any("graded" in r for r in rows):
+        out["graded"] = {arm: arms_summary([(r["scenario"], r["graded"][arm]) for r in rows if "graded" in r], seed)
+                         for arm in ("arm_a", "arm_b")}
+        out["controls"] = controls_summary([(r["scenario"], r["controls"]) for r in rows if "controls" in r], seed)
+        if any("far_check" in r for r in rows):
+            out["far_check_max"] = max(r["far_check"] for r in rows if "far_check" in r)
+            out["far_distance"] = ctx.params.far_offset + ctx.scratch["policy_span"][0]
     out["verdict_note"] = ("full recompute decides above chance" if out["competent"] else
                            "no decision above chance on this model: P(correct) rows are not evidence for or against "
                            "the paper; the transplant's agreement with full recompute is")
@@ -207,6 +281,13 @@ def table(s: dict[str, Any]) -> str:
     lines.append(f"transplant vs full: agreement A {ci_cell(t['agreement_a'])}, B {ci_cell(t['agreement_b'])}; "
                  f"cosine A {t['cosine_a_mean']:.4f}, B {t['cosine_b_mean']:.4f} (min {t['cosine_min']:.4f}); "
                  f"prefix cache vs full prefill max |dlogit| {s['prefix_cache_max_abs_logit_diff']:.1e}")
+    if "graded" in s:
+        lines.append("graded, LD(deny - cancel), arm B (status changed; the field effect retained = arm B - arm A "
+                     "under the mode's cache over the same under full recompute)"
+                     + (f"; no_rotation_far lands >= {s['far_distance']} positions from its precompile, the "
+                        f"re-rotated splice moved there vs in place max |dLD| {s['far_check_max']:.1e} (~0 if exact)"
+                        if "far_check_max" in s else "") + ":")
+        lines += graded_lines(s["graded"]["arm_b"], s.get("controls"))
     return "\n".join(lines)
 
 
@@ -215,10 +296,12 @@ def headline(s: dict[str, Any]) -> str:
     return ("arm B P(correct): " + ", ".join(f"{m} {b[m]['p_correct']['mean']:.2f}" for m in ARM_B)
             + f"; arm A full {s['arm_a']['full']['p_correct']['mean']:.2f}; transplant agree "
               f"{t['agreement_a']['mean']:.2f}/{t['agreement_b']['mean']:.2f} cos {t['cosine_a_mean']:.3f}"
-            + ("" if s["competent"] else " (no model competence: P(correct) uninformative)"))
+            + ("" if s["competent"] else " (no model competence: P(correct) uninformative)")
+            + (f"; {controls_headline(s['controls'])}" if s.get("controls") else ""))
 
 
 EXPERIMENT = Experiment(
+    section="sec9",
     name="tau2", doc=__doc__, params=Params, run_instance=run_instance, summarize=summarize_rows,
     make_instances=make_instances, setup=setup, table=table, headline=headline,
     paper=paper_headlines("tau2"),
@@ -231,4 +314,13 @@ EXPERIMENT = Experiment(
               bound=1 - ACCURACY_MARGIN, gated=False, role="effect", competence=("arm_a.full.reward", "arm_b.full_reprefill.reward",)),
         # (can fail: a model that ignores the status field decides alike in both arms)
         Claim("tau2_full_recompute_correct", "full recompute takes the correct terminal action (arm B)", "at_least", "arm_b.full_reprefill.reward", bound=0.5, gated=False, role="control", competence=("arm_a.full.reward", "arm_b.full_reprefill.reward",)),
+        # Must-fail controls beside their treatment, graded (no competent model needed), by kvprobe's own margins:
+        # the stale cache retains none of the status change's effect on LD(deny - cancel) by construction.
+        Claim("tau2_stale_retained_separation", "field+erratum retains more of full recompute's response to the "
+              f"status change than the stale cache, by more than kvprobe's margin ({RETAINED_MARGIN})", "greater",
+              "controls.stale.retained_separation", RETAINED_MARGIN, gated=False, role="control"),
+        Claim("tau2_far_rotation_separation", "the policy spliced without re-rotation >= 2,000 positions from its "
+              "precompile is further from full recompute's LD (arm B) than the re-rotated splice there, by more "
+              f"than kvprobe's margin ({SEPARATION_MARGIN} nats)", "greater", "controls.no_rotation_far.separation",
+              SEPARATION_MARGIN, gated=False, role="control"),
     ))

@@ -149,6 +149,7 @@ def headline(s: dict[str, Any]) -> str:
 
 
 EXPERIMENT = Experiment(name="timing", doc=__doc__, params=Params, run_instance=run_instance,
+                        section="appC", section_order=2,
                         summarize=summarize_rows, make_instances=polarity_instances, table=table, headline=headline,
                         paper=paper_headlines("timing"),
                         # The paper's claim is the ordering: the note is written before the decision commits. The write depth is one

@@ -527,6 +527,7 @@ def headline(s: dict[str, Any]) -> str:
 
 
 EXPERIMENT = Experiment(
+    section="sec9",
     name="weight_edit", doc=__doc__, params=Params, run_instance=run_instance, summarize=summarize_rows,
     make_instances=make_instances, setup=setup, table=table, headline=headline,
     paper=paper_headlines("weight_edit"),

@@ -63,6 +63,7 @@ def table(s: dict[str, Any]) -> str:
 
 
 EXPERIMENT = Experiment(name="writability", doc=__doc__, params=Params, run_instance=run_instance,
+                        section="appC", section_order=4,
                         summarize=summarize_rows, table=table,
                         headline=lambda s: headline_stats(s, "inject", {"8": "top-8", "all": "all notes"})
                         + "; follow rate: " + headline_stats(s, "follows", {"all": "all notes"}),

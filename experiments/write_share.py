@@ -118,6 +118,7 @@ def headline(s: dict[str, Any]) -> str:
 
 
 EXPERIMENT = Experiment(name="write_share", doc=__doc__, params=Params, run_instance=run_instance,
+                        section="appD", section_order=2,
                         summarize=summarize_rows, table=table, headline=headline,
                         paper=paper_headlines("write_share"),
                         # The paper's decomposition share at the causal layer the summary chose (``{causal_layer}``), per instance.

@@ -1,3 +1,3 @@
-from kvprobe.runner.cli import main
+from kvprobe.app.cli import main
 
 raise SystemExit(main())

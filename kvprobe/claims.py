@@ -48,7 +48,7 @@ Where our setting differs: the paper states a margin only for its user-memory pr
 recovery (a tenth of the oracle flip), 0.97 for decision rates (``KVPROBE_RATE_BOUND``, App. H's 0.03 margin
 borrowed as kvprobe's bound, beside the paper's own n and interval).
 
-Lineage: each row names its model's training lineage (:mod:`kvprobe.organism.lineage`); successive
+Lineage: each row names its model's training lineage (:mod:`kvprobe.models.lineage`); successive
 fine-tunes of one lineage are one replicate, so agreement among them is reported as "stable across
 fine-tunes", never as replication.
 """
@@ -65,6 +65,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from kvprobe.competence import CHANCE, COMPETENCE_GATE  # noqa: F401 (their home is kvprobe.competence)
+from kvprobe.competence import measure as measure_competence
 from kvprobe.stats.bootstrap import cluster_means, summarize
 from kvprobe.stats.inference import (ALPHA, bh_fdr, binom_at_least, mcnemar_exact, n_binom_bound, n_mcnemar,
                                      n_paired_t, power_binom_bound, power_mcnemar, power_paired_t, proportion_ci,
@@ -75,12 +77,14 @@ MIN_N = 10  # no verdict but "not measurable" below this many instances ...
 MIN_CLUSTERS = 5  # ... or this many clusters (and no interval is shown below it)
 ACCURACY_MARGIN = 0.03  # the paper's TOST margin for accuracy/agreement in its user-memory protocol (Appendix H)
 KVPROBE_RATE_BOUND = 1 - ACCURACY_MARGIN  # kvprobe's own bound for decision rates (App. H's margin, borrowed)
-COMPETENCE_GATE = 0.80  # kvprobe's gate on full-recompute accuracy (the paper's App. H admits a model at >= 0.80)
-CHANCE = 0.5  # two actions: the full recompute must also be right above chance (exact CI)
 RULE_BEFORE_FIELD = (("rule_at", "before_field"),)  # generated instances with the rule first: not the paper's layout
 MIN_CONTROL_DRAWS = 20  # a random control shared by every instance is averaged over at least this many draws
 RATIO_FLOOR = 0.05  # a share a / b is undefined where |b| is below this (no full-site effect to share)
 DIGITS = 4  # significant digits written to claims.json: the file is byte-identical across runs and BLAS builds
+# A must-fail control (a stale cache, a chunk spliced without re-rotation at a large offset, a wrong memory) beside its
+# treatment: kvprobe's own margins, never the paper's (its no-rotation collapse has no LD-error counterpart).
+SEPARATION_MARGIN = 0.25  # nats: the control's LD error minus the treatment's (half the inclusion rule's 0.5-nat flip)
+RETAINED_MARGIN = 0.5  # the treatment's field effect retained minus the control's (half of full recompute's effect)
 Kind = Literal["equivalent", "greater", "at_least", "agrees", "identity", "describe"]
 Role = Literal["effect", "control"]
 
@@ -206,6 +210,17 @@ def declared_claims(experiment: str) -> tuple[Claim, ...]:
     return tuple(bind(experiment, c) for c in get_experiment(experiment).claims)
 
 
+def claim_paths(claim: Claim) -> tuple[list[str], list[str]]:
+    """The dotted paths ``claim`` reads: into a row (``a``, ``b``, ``only``, ``competence``, ``exclude``; a row as
+    :func:`claim_rows` gives it, checked against the experiment's ``row_model``) and into the summary (a ``b`` of
+    ``"summary.x"``: ``x``, checked against its ``summary_model``)."""
+    rows, summary = [claim.a], []
+    if isinstance(claim.b, str):
+        (summary if claim.b.startswith("summary.") else rows).append(claim.b.removeprefix("summary."))
+    rows += ([claim.only] if claim.only else []) + list(claim.competence) + [path for path, _ in claim.exclude]
+    return rows, summary
+
+
 def _slope(values: list[float]) -> float | None:
     """OLS slope of ``values`` against their position (per turn); None for fewer than two."""
     if len(values) < 2:
@@ -274,25 +289,24 @@ _NOT_DECISIONS = ("cosine", "latency", "rollback", "weights_unchanged")  # measu
 
 
 def competence(claim: Claim, rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
-    """Whether full recompute decides the record's task: right on at least ``COMPETENCE_GATE`` of its decisions
-    and above chance (the exact interval's lower end above ``CHANCE``), over every instance of the record (not
-    only the included ones). None where the claim names no competence measure or reads no decision (a cosine or a
-    latency is not made vacuous by a constant answer)."""
+    """Whether full recompute decides the record's task (:func:`kvprobe.competence.measure`, the one competence
+    measure: right on at least ``COMPETENCE_GATE`` of its decisions and above chance), over every instance of the
+    record (not only the included ones), read from the claim's ``competence`` row paths. None where the claim
+    names no competence measure or reads no decision (a cosine or a latency is not made vacuous by a constant
+    answer)."""
     paths = [p for p in (claim.a, claim.b) if isinstance(p, str)]
     if not claim.competence or all(any(w in p for w in _NOT_DECISIONS) for p in paths):
         return None
     values = [float(_num_or_bool(v)) for r in rows for p in claim.competence if (v := get(r, p)) is not None]
-    if not values:
+    c = measure_competence(values)
+    if c is None:
         return {"competent": False, "n": 0, "reason": "no competence measure in the rows (full recompute's "
                                                        "correctness not recorded)"}
-    n, k = len(values), sum(values)
-    lo, hi = proportion_ci(int(round(k)), n)
-    acc = k / n
-    competent = acc >= COMPETENCE_GATE and lo > CHANCE
-    reason = (f"below the competence gate: full recompute right on {acc:.2f} [{lo:.2f}, {hi:.2f}] of {n} decisions "
-              f"(kvprobe's gate: >= {COMPETENCE_GATE:.2f} and above chance)")
-    return {"competent": competent, "accuracy": acc, "ci_low": lo, "ci_high": hi, "n": n,
-            **({} if competent else {"reason": reason})}
+    n, (lo, hi) = len(values), c.ci
+    reason = (f"below the competence gate: full recompute right on {c.accuracy:.2f} [{lo:.2f}, {hi:.2f}] of {n} "
+              f"decisions (kvprobe's gate: >= {COMPETENCE_GATE:.2f} and above chance)")
+    return {"competent": c.competent, "accuracy": c.accuracy, "ci_low": lo, "ci_high": hi, "n": n,
+            **({} if c.competent else {"reason": reason})}
 
 
 def _clusters(rows: Sequence[dict[str, Any]]) -> list[str]:
@@ -647,7 +661,7 @@ def _applies(claim: Claim, record: dict[str, Any]) -> bool:
 
 
 def _lineage_fields(model: str) -> dict[str, Any]:
-    from kvprobe.organism.lineage import lineage, lineage_root
+    from kvprobe.models.lineage import lineage, lineage_root
 
     chain = lineage(model)
     return {"lineage": " > ".join(chain), "lineage_root": lineage_root(model),
@@ -801,17 +815,17 @@ def lineage_summary(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]
     return summary
 
 
-def _stable(obj: Any) -> Any:
+def stable(obj: Any) -> Any:
     """Floats rounded to ``DIGITS`` significant digits (last-ulp differences between BLAS runs vanish), tuples as
     lists, NaN as None: claims.json is byte-identical when regenerated."""
     if isinstance(obj, float):
         return None if not math.isfinite(obj) else float(f"{obj:.{DIGITS}g}")
     if isinstance(obj, dict):
-        return {k: _stable(v) for k, v in obj.items()}
+        return {k: stable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_stable(v) for v in obj]
+        return [stable(v) for v in obj]
     if isinstance(obj, (np.floating, np.integer)):
-        return _stable(obj.item())
+        return stable(obj.item())
     return obj
 
 
@@ -892,7 +906,7 @@ def claims_document(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         lineages.setdefault(r["model"], {"chain": r.get("lineage", r["model"]),
                                          "root": r.get("lineage_root", r["model"])})
         slim.append(_slim_row(cid, r))
-    return _stable({"alpha": ALPHA, "min_n": MIN_N, "min_clusters": MIN_CLUSTERS,
+    return stable({"alpha": ALPHA, "min_n": MIN_N, "min_clusters": MIN_CLUSTERS,
                     "correction": "Benjamini-Hochberg (fdr_bh) within two families: paper effects; controls",
                     "tests": "on cluster (scenario) means whenever clusters < instances; a positive verdict needs "
                              "q < alpha and the shown 95% interval on the paper's side of every bound",
@@ -927,8 +941,10 @@ def expanded_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
         kind = row.get("kind")
         row.setdefault("status", kind if kind in ("identity", "describe") else
                        "tested" if row.get("p") is not None else "untested")
-        if slim.get("record"):
-            row["record"] = f"results/{experiment}/{slim['model']}/{slim['record']}.json"
+        if slim.get("record"):  # the record's folder is the model's slug (a Hugging Face id's or a path's last part)
+            from kvprobe.runner.records import model_slug
+
+            row["record"] = f"results/{experiment}/{model_slug(slim['model'])}/{slim['record']}.json"
         out.append(row)
     return out
 
@@ -940,7 +956,7 @@ def read_claims(path: str | Path) -> list[dict[str, Any]]:
     return expanded_rows(json.loads(Path(path).read_text()))
 
 
-def _write_document(path: Path, doc: dict[str, Any]) -> None:
+def write_document(path: Path, doc: dict[str, Any]) -> None:
     """Atomically, compact JSON with one claims row per line (small, and a diff shows which rows changed)."""
     import json
     import os
@@ -963,10 +979,12 @@ def _write_document(path: Path, doc: dict[str, Any]) -> None:
 
 def write_claims(results_dir: str | Path = "results", out: str | Path | None = None
                  ) -> tuple[Path, list[dict[str, Any]]]:
-    """Evaluate every claim and write them to ``<results>/claims.json`` (a pure function of the records)."""
-    rows = load_claims(results_dir)
+    """Evaluate every claim and write them to ``<results>/claims.json`` (a pure function of the records; `kvprobe
+    claims` adds kvprobe's trends across size, :func:`kvprobe.trends.with_trends`)."""
+    records = claim_records(results_dir)
+    rows = claims_rows(records)
     path = Path(out) if out else Path(results_dir) / "claims.json"
-    _write_document(path, claims_document(rows))
+    write_document(path, claims_document(rows))
     return path, rows
 
 
@@ -985,40 +1003,3 @@ def summary_counts(rows: Sequence[dict[str, Any]]) -> dict[str, int]:
         head = f"{r.get('role') or 'control'}: " + r["verdict"].split(" (")[0]
         counts[head] = counts.get(head, 0) + 1
     return dict(sorted(counts.items()))
-
-
-def _cmd_claims(args: Any) -> int:
-    from kvprobe.errors import KVProbeError
-
-    rows = load_claims(args.results)
-    if not rows:  # evaluated before anything is written: a failing call leaves no claims.json
-        raise KVProbeError(f"no records with declared claims under {args.results}/ (run an experiment first)")
-    path = Path(args.out) if args.out else Path(args.results) / "claims.json"
-    _write_document(path, claims_document(rows))
-    if args.table:
-        print(markdown(rows) + "\n")
-    for h in headline(rows).values():
-        print(h["text"])
-    for key, s in lineage_summary(rows).items():
-        print(f"{key}: reproduced in {s['independent_lineages']} independent lineage(s): {s['reading']}")
-    print("\n" + ", ".join(f"{k}: {v}" for k, v in summary_counts(rows).items()))
-    print(f"claims: {path}" + ("" if args.table else " (every row with its test: --table, or the pages under "
-                                                     "docs/results/)"))
-    if args.figure:
-        from kvprobe.figures import claims as claims_figure  # noqa: F401  (sets the Agg backend first)
-
-        figure = Path(args.figure)
-        figure.parent.mkdir(parents=True, exist_ok=True)
-        claims_figure.fig_claims(claim_records(args.results), figure, rows)
-        print(f"figure: {figure}")
-    return 0
-
-
-def register(sub: Any) -> None:
-    """The ``kvprobe claims`` sub-command (registered from kvprobe.runner.extra_commands)."""
-    p = sub.add_parser("claims", help="test every declared paper claim on the newest records; write the table")
-    p.add_argument("--results", default="results")
-    p.add_argument("--out", help="where the claims JSON goes (default: <results>/claims.json)")
-    p.add_argument("--figure", default="figures/claims_forest.png", help="claims figure path ('' for none)")
-    p.add_argument("--table", action="store_true", help="also print every row with its test, p, q and verdict")
-    p.set_defaults(func=_cmd_claims)

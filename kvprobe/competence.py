@@ -9,6 +9,12 @@ clusters for a verdict.
 The records read are those the study publishes for the model (``study.yaml``; a model may be screened in parts,
 some tasks or modes per run, and each task x mode must come from one record); without one, the only screen
 record of the model under ``results/screen/``; several unpublished ones are an error naming them.
+
+The competence measure itself has one implementation here, whoever reads it: :func:`measure` (accuracy over the
+decisions, its exact interval, the verdict of :func:`is_competent` under kvprobe's gate). The screen's cells give
+their verdict by :func:`is_competent` (``experiments/screen.py``), :func:`competence` re-judges a screen cell under
+another gate by it, and a claim's own competence rows (:func:`kvprobe.claims.competence`: full recompute's
+correctness recorded in each row of the claim's record) are measured by :func:`measure`.
 """
 
 from __future__ import annotations
@@ -18,18 +24,41 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from kvprobe.errors import KVProbeError, closest
+from kvprobe.stats.inference import proportion_ci
 
 SCREEN = "screen"
+COMPETENCE_GATE = 0.80  # kvprobe's gate on full-recompute accuracy (the paper's App. H admits a model at >= 0.80)
+CHANCE = 0.5  # two actions: the full recompute must also be right above chance (exact CI)
 
 
 class Competence(NamedTuple):
-    """Full-recompute accuracy over the field's two values, its exact 95% interval, whether the decision
-    follows the field on any instance, and the verdict (None: too few instances or clusters)."""
+    """Full-recompute accuracy, its exact 95% interval, whether the decision follows the field on any instance
+    (None where the reader does not record it), and the verdict (None: too few instances or clusters)."""
 
     accuracy: float
     ci: tuple[float, float]
-    varies: bool
+    varies: bool | None
     competent: bool | None
+
+
+def is_competent(accuracy: float, ci_low: float | None, gate: float = COMPETENCE_GATE,
+                 chance: float = CHANCE) -> bool:
+    """kvprobe's competence verdict: full recompute right on at least ``gate`` of its decisions and above chance
+    (the exact interval's lower end above ``chance``)."""
+    return bool(ci_low is not None and ci_low > chance and accuracy >= gate)
+
+
+def measure(correct: Sequence[float], gate: float = COMPETENCE_GATE, chance: float = CHANCE) -> Competence | None:
+    """Competence from full recompute's correctness per decision (booleans as 0/1, or a rate per instance): the
+    accuracy, the exact (Clopper-Pearson) interval on the correct count rounded, and :func:`is_competent`. None
+    without a decision."""
+    n = len(correct)
+    if not n:
+        return None
+    k = sum(correct)
+    lo, hi = proportion_ci(int(round(k)), n)
+    acc = k / n
+    return Competence(acc, (lo, hi), None, is_competent(acc, lo, gate, chance))
 
 
 def _model_name(record: dict[str, Any]) -> str:
@@ -82,7 +111,7 @@ def competence(model: str, task: str, mode: str = "direct", records: Sequence[di
     acc = c["accuracy"]
     competent = c["competent"]
     if gate is not None and competent is not None:
-        competent = bool(acc["ci_low"] > c["chance"] and acc["mean"] >= gate)
+        competent = is_competent(acc["mean"], acc["ci_low"], gate, c["chance"])
     return Competence(float(acc["mean"]), (float(acc["ci_low"]), float(acc["ci_high"])), bool(c["varies"]),
                       competent)
 

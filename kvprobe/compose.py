@@ -14,5 +14,6 @@ from kvprobe.kv.compose import Live, Spliced
 precompile = at_boundary(_core.precompile)
 splice = at_boundary(_core.splice)
 assemble = at_boundary(_core.assemble)
+splice_spans = at_boundary(_core.splice_spans)
 
-__all__ = ["Live", "Spliced", "assemble", "precompile", "splice"]
+__all__ = ["Live", "Spliced", "assemble", "precompile", "splice", "splice_spans"]

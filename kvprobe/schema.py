@@ -1,15 +1,22 @@
 """Config-schema helpers shared by every validated YAML of kvprobe (run configs, task templates, studies):
-hash-neutral params and one-line validation messages. Low in the layering: tasks and probes use it, and the
-runner builds on it."""
+hash-neutral params and one-line validation messages; and :class:`Shape`, the base of the records' typed summaries
+and rows. Low in the layering: tasks and probes use it, and the runner builds on it."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvprobe.errors import closest
+
+
+class Shape(BaseModel):
+    """Base of the typed summaries and rows of records (:mod:`kvprobe.runner.shapes`): extra fields pass, the
+    declared ones are typed."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
 
 
 def hash_neutral(default: Any, **kwargs: Any) -> Any:

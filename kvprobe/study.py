@@ -27,7 +27,7 @@ class _Strict(BaseModel):
 
 
 class StudyRun(_Strict):
-    config: str = Field(description="a config file stem in configs/ (e.g. locality_chat)")
+    config: str = Field(description="a config file stem in configs/ (e.g. locality_chat) or in a plugin folder")
     set: dict[str, Any] = Field(default_factory=dict, description="overrides, nested as `--set` builds them")
     task: str | None = Field(None, description="the prompt shape's name in tables (default: the task stem)")
 
@@ -113,6 +113,10 @@ def resolve_run(model: str, run: StudyRun, configs_dir: Path) -> PublishedRun:
     from kvprobe.runner.records import task_stem
 
     path = configs_dir / f"{run.config}.yaml"
+    if not path.exists():  # a plugin experiment's config (kvprobe.runner.plugins)
+        from kvprobe.runner.plugins import plugin_config
+
+        path = plugin_config(run.config) or path
     if not path.exists():
         raise KVProbeError(f"study: model '{model}' names config '{run.config}', but {path} does not exist")
     cfg = load_config(path, _merge(run.set, {"model": model}))
@@ -141,7 +145,7 @@ def _published(study_path: str) -> tuple[PublishedRun, ...]:
 
 def published_runs(study_path: str | Path | None = None) -> tuple[PublishedRun, ...]:
     """Every run the study publishes, resolved (cached per study file)."""
-    return _published(str(Path(study_path) if study_path is not None else _study_file()))
+    return _published(str((Path(study_path) if study_path is not None else _study_file()).resolve()))
 
 
 def study_models(study_path: str | Path | None = None) -> list[str]:

@@ -22,7 +22,7 @@ from kvprobe.models.loading import load_model
 from kvprobe.models.tiny import TINY_FAMILIES, tiny_model, write_config_dir
 from kvprobe.patching.hooks import capture, run_patched
 from kvprobe.patching.sites import Site
-from kvprobe.runner.cli import main
+from kvprobe.app.cli import main
 from tests.conftest import as_lm
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

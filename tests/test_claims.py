@@ -223,6 +223,14 @@ WITH_RECORDS = ("locality", "suffix", "specificity", "knockout", "dissociation",
                 "sae", "write_share", "locomo")
 
 
+# Claims on the graded must-fail controls (issue #56): measures the committed records predate, written by a rerun
+# with the controls on (tests/test_app_controls.py checks their paths on the experiments' own rows). Each is
+# checked here as soon as a committed record carries it.
+AWAITING_RERUN = {("transplant", "far_rotation_separation"), ("transplant", "stale_retained_separation"),
+                  ("locomo", "locomo_wrong_memory_separation"), ("locomo", "locomo_far_rotation_separation"),
+                  ("locomo", "locomo_cosine_beats_wrong_memory")}
+
+
 @pytest.mark.parametrize("name", WITH_RECORDS)
 def test_declared_claim_paths_resolve_on_committed_records(name):
     """A typo in a claim's dotted path would silently read None on every row ("no rows carry this measure"):
@@ -243,6 +251,9 @@ def test_declared_claim_paths_resolve_on_committed_records(name):
         recs = [r for r in records if (_template_stem(r).startswith("generated_") and c.template == "gated"
                                        or _template_stem(r) == c.template) and _applies(c, r)]
         if not recs:  # no committed record of this template or variant (e.g. long_horizon's erratum scheme)
+            continue
+        if (name, c.key) in AWAITING_RERUN and not any(get(row, c.a) is not None for r in recs
+                                                       for row in claim_rows(r)):
             continue
         for path in (c.a, c.b) if isinstance(c.b, str) else (c.a,):
             if path.startswith("summary."):
@@ -281,6 +292,7 @@ def test_claims_figure_renders(tmp_path, monkeypatch):
     from kvprobe.runner import experiment as experiment_module
 
     class Fake:
+        section, section_order = "sec3", 0
         claims = (declared(near("z", "x ~ 0", "x", 0.0, role="effect"), "0", 0.0), declared(near("y", "y ~ 0", "y", 0.0, role="control"), "0", 0.0))
 
     monkeypatch.setattr(experiment_module, "available_experiments", lambda: {"fake": "fake"})
@@ -361,6 +373,7 @@ def test_headline_counts_effects_only_and_bh_runs_within_each_role(monkeypatch):
     from kvprobe.runner import experiment as experiment_module
 
     class Fake:
+        section, section_order = "sec3", 0
         claims = (declared(near("z", "x ~ 0", "x", 0.0, role="effect"), "0", 0.0, location="Sec. 3", paper_n="12"),
                   declared(near("y", "y ~ 0", "y", 0.0, role="control"), "0", 0.0, location="App. D"),
                   Claim("d", "described", "describe", "x", role="effect", location="Fig. 3d", paper_n="36", paper="no number"))
@@ -380,7 +393,7 @@ def test_headline_counts_effects_only_and_bh_runs_within_each_role(monkeypatch):
 
 
 def test_lineage_follows_the_cards_init_from_chain():
-    from kvprobe.organism.lineage import lineage, lineage_root
+    from kvprobe.models.lineage import lineage, lineage_root
 
     chain = lineage("smollm2-135m-gated-v3n2-seed2")
     assert chain[0] == "smollm2-135m" and chain[-1] == "smollm2-135m-gated-v3n2-seed2"

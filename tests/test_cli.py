@@ -2,7 +2,7 @@
 
 import json
 
-from kvprobe.runner.cli import main
+from kvprobe.app.cli import main
 
 
 def test_run_locality_end_to_end_then_reproduce_then_overwrite(tiny_text_dir, tmp_path, capsys):

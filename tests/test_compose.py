@@ -5,7 +5,7 @@ import torch
 from kvprobe.kv import prefill, read_logits
 from kvprobe.kv.blocks import Block, BlockLibrary
 from kvprobe.kv.compose import Live, Spliced, assemble, precompile
-from kvprobe.runner.cli import main
+from kvprobe.app.cli import main
 
 
 def _ids(n, seed):
@@ -58,7 +58,7 @@ def test_transplant_cli_end_to_end(tiny_text_dir, tmp_path):
         c = row["chunks"]
         assert c["policy"][0] < c["policy"][1] == c["tools"][0] < c["tools"][1] == c["conversation"][0] \
             < c["conversation"][1] < row["n_tokens"]
-    from kvprobe.runner.report import report_rows
+    from kvprobe.app.report import report_rows
 
     (row,) = report_rows(tmp_path)
     from pathlib import Path

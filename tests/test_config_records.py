@@ -130,7 +130,7 @@ def test_committed_records_keep_their_names_under_the_current_code():
 
 def test_generator_task_runs_a_template_free_probe_and_is_refused_where_the_template_is_read(tiny_generator_dir,
                                                                                            tmp_path):
-    from kvprobe.runner.cli import main
+    from kvprobe.app.cli import main
 
     gen = ["--set", "task.generator={split: test, formats: [system_user, tool_call]}", "--set", "task.n_instances=2",
            "--set", "inclusion.min_flip=0", "--quiet", "--model", str(tiny_generator_dir), "--output-dir",
@@ -153,7 +153,7 @@ def test_generator_task_runs_a_template_free_probe_and_is_refused_where_the_temp
 def test_generator_renders_the_templates_own_scenarios_when_named(tiny_generator_dir, tmp_path):
     """task.scenarios with task.generator: the named hand-written scenarios (their own rules, never
     counterfactual) in the generator's formats, cycling; the record's task says so."""
-    from kvprobe.runner.cli import main
+    from kvprobe.app.cli import main
     from kvprobe.runner.records import task_stem
 
     names = ["order_status", "refund_window"]

@@ -8,7 +8,7 @@ import pytest
 
 from kvprobe.probes.controls import (crossfit_scores, crossfit_slots, crossfit_top, paired_contrast, scenario_folds,
                                      slot_key)
-from kvprobe.runner.cli import main
+from kvprobe.app.cli import main
 from kvprobe.runner.experiment import get_experiment
 from kvprobe.stats.probe import group_cv_accuracy, group_cv_margins, settle_layer
 

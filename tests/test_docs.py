@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 
 from kvprobe.errors import KVProbeError
-from kvprobe.runner.report import refresh_markdown, stale_documents
+from kvprobe.app.report import refresh_markdown, stale_documents
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_generated_blocks_match_the_committed_records():
-    from kvprobe.runner.pages import stale_pages
+    from kvprobe.app.pages import stale_pages
 
     docs = [REPO / "README.md", REPO / "RESULTS.md", REPO / "docs" / "engineering.md",
             REPO / "docs" / "locality_sizes.md", REPO / "docs" / "history" / "organisms.md"]
@@ -29,8 +29,8 @@ def test_published_tables_ignore_a_smoke_record_beside_them(tmp_path):
     """A scratch record in results/ (e.g. from --output-dir results) changes no published table or page."""
     import shutil
 
-    from kvprobe.runner.pages import pages
-    from kvprobe.runner.report import headline_table
+    from kvprobe.app.pages import pages
+    from kvprobe.app.report import headline_table
 
     results = tmp_path / "results"
     shutil.copytree(REPO / "results" / "locality", results / "locality")
@@ -69,7 +69,7 @@ def test_readme_has_exactly_the_two_setup_commands():
 
 
 def test_compare_block_puts_two_models_side_by_side_from_their_report_rows():
-    from kvprobe.runner.report import compare_rows, report_rows
+    from kvprobe.app.report import compare_rows, report_rows
 
     a, b = "smollm2-135m", "smollm2-135m-gated-v2"
     rows = compare_rows(REPO / "results", a, b)
@@ -93,7 +93,7 @@ def test_compare_block_puts_two_models_side_by_side_from_their_report_rows():
 
 def test_section_table_prints_a_repeated_paper_value_once():
     """Consecutive rows of one experiment share the paper's value: the first row carries it, the rest say so."""
-    from kvprobe.runner.report import section_table
+    from kvprobe.app.report import section_table
 
     table = section_table(REPO / "results", "knockout")
     paper_cells = [line.rsplit(" | ", 1)[-1].rstrip(" |") for line in table.splitlines()[2:]]
@@ -144,13 +144,13 @@ def test_the_prose_types_no_measured_number():
     found = {doc: hand_typed_numbers((REPO / doc).read_text()) for doc in PROSE_DOCS}
     found = {doc: nums for doc, nums in found.items() if nums}
     assert not found, (f"hand-typed numbers in the prose: {found}; write each as <!-- kvprobe:v SOURCE|FORMAT -->"
-                       f"<!-- /kvprobe:v --> (kvprobe/runner/report.py) and run `make report`, or point to a table")
+                       f"<!-- /kvprobe:v --> (kvprobe/app/report.py) and run `make report`, or point to a table")
 
 
 def test_a_hand_typed_or_edited_number_is_caught():
     """Mutations: a number typed into the prose is flagged; an edited reference no longer equals its regeneration
     (so test_generated_blocks_match_the_committed_records fails); names, versions and code are not numbers."""
-    from kvprobe.runner.report import refresh_values
+    from kvprobe.app.report import refresh_values
 
     assert hand_typed_numbers("the top 8 recover 0.42 of it, 13 / 24 included, 24.5x faster, 7%") == \
         ["0.42", "13 / 24", "24.5x", "7%"]
@@ -167,7 +167,7 @@ def test_a_hand_typed_or_edited_number_is_caught():
 
 
 def test_prose_references_resolve_from_published_records_outputs_and_the_registry():
-    from kvprobe.runner.report import bench_output, resolve_value
+    from kvprobe.app.report import bench_output, resolve_value
 
     res = REPO / "results"
     full = "locality/smollm2-135m-gated-v3n2-seed2/561ca5f6e26d#summary.recovery.field_only.gated|ci"

@@ -12,8 +12,8 @@ from kvprobe.kv.readout import prefill, read_logits
 from kvprobe.kv.state import KVState
 from kvprobe.models.loading import load_model
 from kvprobe.patching.pairs import prefill_pair
-from kvprobe.runner.cli import main
-from kvprobe.runner.report import report_rows
+from kvprobe.app.cli import main
+from kvprobe.app.report import report_rows
 from kvprobe.tasks.edits import WORDINGS, answer_prefix_tokens, erratum_body, erratum_line, hoisted_body, prompt_ids
 from kvprobe.tasks.gated import generate_instances, tokenize_pair
 from tests.test_generator import tiny_generator_dir  # noqa: F401  (fixture)

@@ -9,15 +9,17 @@ import json
 from kvprobe.runner.cli import main
 
 
-def test_edit_in_transplant_end_to_end(tiny_text_dir, tmp_path):
+def test_edit_in_transplant_end_to_end(tiny_text_dir, tmp_path, monkeypatch):
     from kvprobe.claims import get
     from kvprobe.figures.edit_in_transplant import fig7a_edit_in_transplant
     from kvprobe.runner.experiment import get_experiment
 
+    # a random-init model's flips are hundredths of a nat: no floor, so the retained field effect is defined
+    monkeypatch.setattr("kvprobe.probes.graded.MIN_FIELD_EFFECT", 0.0)
     assert main(["run", "configs/edit_in_transplant.yaml", "--model", str(tiny_text_dir), "--output-dir",
                  str(tmp_path), "--set", "task.n_instances=2", "--set", "params.selective_k=[2,32]",
                  "--set", "inclusion.require_oracle_correct=false", "--set", "inclusion.min_flip=0",
-                 "--quiet"]) == 0
+                 "--set", "params.controls=[no_rotation_far]", "--quiet"]) == 0
     rec = json.loads(next(tmp_path.glob("edit_in_transplant/*/*.json")).read_text())
     for row in rec["rows"]:
         assert set(row["normal"]) == set(row["composed"]) and "selective@2" in row["normal"]
@@ -29,6 +31,9 @@ def test_edit_in_transplant_end_to_end(tiny_text_dir, tmp_path):
         for path in ("normal", "composed"):  # the same edit costs the same on both caches
             assert row[path]["in_place"]["recomputed_tokens"] == len(row["field_slots"])
         assert row["normal"]["erratum"]["reused_tokens"] == row["composed"]["erratum"]["reused_tokens"]
+        # graded: the composed stale cache retains 0 by construction; the chunk re-rotated far up reads as in place
+        assert row["graded"]["arms"]["composed_stale"]["retained"] == 0.0
+        assert row["far_check"] < 1e-4 and row["far_distance"] >= 2000
     s = rec["summary"]
     assert s["methods"]["full_reprefill"]["agreement"]["mean"] == 1.0
     assert {"agreement", "p_correct"} <= set(s["no_rotation_erratum"])

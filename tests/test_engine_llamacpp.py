@@ -20,7 +20,7 @@ DECISION_MARGIN = 0.5  # nats: decisions must agree wherever the reference's |lo
 @pytest.fixture(scope="module")
 def engine():
     from kvprobe.backends.llamacpp import LlamaCppEngine
-    from kvprobe.models.loading import gguf_path
+    from kvprobe.models.gguf_export import gguf_path
 
     with LlamaCppEngine(gguf_path("smollm2-135m"), n_ctx=2048, n_threads=1) as eng:
         yield eng
@@ -182,7 +182,7 @@ def test_bench_serve_reads_hit_rates_from_llama_servers_own_counters(tmp_path):
 
 def test_llama_server_binds_loopback_and_is_stopped_on_error():
     from kvprobe.backends.llama_server import LlamaServer
-    from kvprobe.models.loading import gguf_path
+    from kvprobe.models.gguf_export import gguf_path
 
     binary = _llama_server_or_skip()
     srv = LlamaServer(binary, gguf_path("smollm2-135m"), n_parallel=1, ctx_per_slot=256)
@@ -255,7 +255,8 @@ def test_organism_gguf_holds_the_merged_weights(ids):
 
     from kvprobe.backends.llamacpp import LlamaCppEngine
     from kvprobe.cache_dir import cache_root
-    from kvprobe.models.loading import gguf_path, load_model
+    from kvprobe.models.gguf_export import gguf_path
+    from kvprobe.models.loading import load_model
 
     path = gguf_path(ORGANISM)
     assert path.is_relative_to(cache_root()) and path != gguf_path("smollm2-135m")

@@ -12,7 +12,7 @@ import pytest
 
 from kvprobe.errors import KVProbeError
 from kvprobe.runner import experiment as experiment_module
-from kvprobe.runner.cli import main
+from kvprobe.app.cli import main
 from kvprobe.runner.records import RecordLock, check_clean_tree, git_commit
 
 
@@ -262,7 +262,7 @@ def test_quiet_silences_the_gguf_dequantization_bar(capfd):
     """transformers' GGUF loader draws a bare tqdm bar (outside its own progress-bar switch) on a first load."""
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
-    from kvprobe.runner.cli import quiet_libraries
+    from kvprobe.app.cli import quiet_libraries
 
     def dequantize():
         for _ in gguf_utils.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."):

@@ -38,7 +38,7 @@ def test_every_committed_figure_fits_a_column():
                                   "fig15a_heads", "fig3a_locality", "fig6b_transplant"])
 def test_figures_draw_within_a_column(stem, tmp_path):
     from kvprobe.figures import FIGURES
-    from kvprobe.runner.report import published
+    from kvprobe.app.report import published
 
     experiment, draw = FIGURES[stem]
     draw([r for r in published(REPO / "results") if not experiment or r["experiment"] == experiment],
@@ -63,7 +63,7 @@ def test_rendering_is_idempotent(tmp_path):
 def test_the_claims_forest_draws_every_study_model():
     """The forest once kept four models and silently dropped the fifth (the recommended Qwen2 organism)."""
     from kvprobe.figures.claims import forest_models
-    from kvprobe.runner.report import published
+    from kvprobe.app.report import published
     from kvprobe.study import study_models
 
     drawn = forest_models(published(REPO / "results"))
@@ -74,7 +74,7 @@ def test_the_claims_forest_draws_every_study_model():
 def test_panels_at_chance_are_marked(tmp_path, monkeypatch):
     """Memory E1 and E3 (full-recompute accuracy 0.50, n 10) say they are at chance; an informative panel does not."""
     from kvprobe.figures import common, memory
-    from kvprobe.runner.report import published
+    from kvprobe.app.report import published
 
     assert common.covers_chance({"mean": 0.5, "ci_low": 0.19, "ci_high": 0.81})
     assert not common.covers_chance({"mean": 1.0, "ci_low": 0.69, "ci_high": 1.0})

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from kvprobe.figures import render_all
-from kvprobe.runner.cli import main
+from kvprobe.app.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -98,7 +98,7 @@ def test_organisms_notebook_runs_on_the_committed_cards(tmp_path):
 
 def test_fig3a_splits_each_model_by_the_rule_position_one_record_per_bar():
     from kvprobe.figures.locality import rule_split
-    from kvprobe.runner.report import published
+    from kvprobe.app.report import published
 
     organism = "smollm2-135m-gated-v3n2-seed2"
     mine = [r for r in published(REPO / "results") if r["model"]["name"] == organism]

@@ -83,7 +83,7 @@ def test_word_list_v2_adds_heldout_rule_phrasings_and_keeps_the_train_draws(tmp_
 
 
 def test_word_list_v3_adds_negated_train_phrasings_and_keeps_the_heldout_draws(tmp_path):
-    from kvprobe.organism.validation import block_key, draw_key
+    from organisms.tooling.validation import block_key, draw_key
     from kvprobe.tasks.generator import WORDS_FILE, split_words
 
     v2, v3 = (load_words(WORDS_FILE.with_name(f"scenario_words_v{n}.yaml")) for n in (2, 3))
@@ -404,7 +404,7 @@ def test_margin_cap_needs_the_capped_loss_and_a_cap_above_the_margin(tmp_path):
 
 
 def test_seed_spread_scores_every_seed_on_the_same_heldout_pairs(tiny_generator_dir, tmp_path, monkeypatch):
-    from kvprobe.organism.seeds import check_same_recipe, seed_spread, seed_table, write_seed_spread
+    from organisms.tooling.seeds import check_same_recipe, seed_spread, seed_table, write_seed_spread
     from kvprobe.organism.train import train_organism
 
     monkeypatch.setenv("KVPROBE_CACHE", str(tmp_path / "cache"))
@@ -448,7 +448,7 @@ def test_seed_spread_scores_every_seed_on_the_same_heldout_pairs(tiny_generator_
 
 
 def test_field_ignored_splits_accuracy_into_its_causes():
-    from kvprobe.organism.seeds import _accuracy, _field_ignored
+    from organisms.tooling.seeds import _accuracy, _field_ignored
 
     # (old-prompt, new-prompt) logit differences, > 0 = the new action: both right, new twice, old twice, inverted
     lds = [(-1.0, 2.0), (1.0, 2.0), (-1.0, -2.0), (1.0, -2.0)]
@@ -583,7 +583,7 @@ def test_few_shot_without_its_cases_is_the_same_draw_minus_the_cases():
 
 
 def test_seed_spread_accepts_a_second_stage_run_per_seed_and_refuses_crossed_seeds(tmp_path, monkeypatch):
-    import kvprobe.organism.seeds as seeds_mod
+    import organisms.tooling.seeds as seeds_mod
 
     recipe = {"seed": 0, "alias": "", "steps": 100, "init_from": None}
 
@@ -608,7 +608,7 @@ def test_same_recipe_fills_fields_a_card_predates_with_their_defaults():
     card holding that field at its default, and a different one when the later card sets it."""
     from dataclasses import asdict
 
-    from kvprobe.organism import seeds as seeds_mod
+    from organisms.tooling import seeds as seeds_mod
     from kvprobe.organism.train import Recipe
 
     new = json.loads(json.dumps(asdict(Recipe(seed=1, alias="b"))))
@@ -651,10 +651,10 @@ def test_recipe_prior_cases_changes_training_draws_only(tiny_generator_dir):
 
 def test_larger_validation_scores_fresh_draws_per_seed_resumes_and_compares(tiny_generator_dir, tmp_path,
                                                                             monkeypatch):
-    import kvprobe.organism.seeds as seeds_mod
+    import organisms.tooling.seeds as seeds_mod
     from kvprobe.models.loading import load_model
     from kvprobe.organism.train import _eval_sets, train_organism
-    from kvprobe.organism.validation import (block_key, larger_draw_sets, paired_difference, phrasing_table,
+    from organisms.tooling.validation import (block_key, larger_draw_sets, paired_difference, phrasing_table,
                                              recipe_summary, score_larger_draw, test_draw_table, validation_table)
 
     monkeypatch.setenv("KVPROBE_CACHE", str(tmp_path / "cache"))
@@ -771,7 +771,7 @@ def test_larger_validation_scores_fresh_draws_per_seed_resumes_and_compares(tiny
 
 
 def test_seed_agreement_ranks_seeds_against_the_cards_small_and_test_cells(tmp_path):
-    from kvprobe.organism.validation import seed_agreement
+    from organisms.tooling.validation import seed_agreement
 
     cells = ["validation_unseen_format", "validation_train_formats"]
     accs = [0.5, 0.6, 0.7, 0.8]
@@ -825,7 +825,7 @@ DRAW_SEEDS_FOR_TEST = {"validation": ["validation_unseen_format", "validation_tr
 
 
 def test_decision_table_sets_validation_verdicts_beside_the_tests_and_counts_agreement(tmp_path):
-    from kvprobe.organism.validation import decision_table, ranking_reliability
+    from organisms.tooling.validation import decision_table, ranking_reliability
 
     folders = [_decision_card(tmp_path, "best", [20, 20], [20, 20], [20, 20]),  # every draw agrees: best > worst
                _decision_card(tmp_path, "worst", [0, 0], [0, 0], [0, 0]),
@@ -881,7 +881,7 @@ def test_email_is_a_validation_format_drawn_only_on_request_and_carries_no_other
 
 
 def test_choose_decides_on_email_and_train_formats_and_breaks_ties_by_calibration(tmp_path):
-    from kvprobe.organism.validation import choose
+    from organisms.tooling.validation import choose
 
     def card(alias: str, val: list, email: list, ppl_after: list[float]) -> dict:
         _decision_card(tmp_path, alias, val, [0, 0], email)

@@ -15,7 +15,8 @@ from kvprobe.patching.pairs import Anchors, PairPrefill
 from kvprobe.patching.sites import Site
 from kvprobe.probes import Case, sweep_logits
 from kvprobe.probes.heads import kv_head_of, query_group, read_patch, write_heads, write_patch
-from kvprobe.runner.cli import main
+from kvprobe.app.cli import main
+from kvprobe.runner.experiment import get_experiment
 from kvprobe.tasks.gated import TokenizedPair
 
 
@@ -123,6 +124,8 @@ def test_heads_cli_record_and_figure(tiny_text_dir, tmp_path):
     assert all(e["kv_head"] == e["q_head"] // 2 for e in s["read_heads"])
     assert row["identity"]["read_all"] == pytest.approx(1.0, abs=1e-3)
     assert s["cells_per_second"] > 0
+    assert list(s)[-2:] == ["row_measures", "crossfit"]  # the declared shape, cross-fitted or not
+    get_experiment("heads").summary_model.model_validate(s)
     assert any(p.name == "fig15a_heads.png" for p in render_all(tmp_path, tmp_path / "figs"))
 
 

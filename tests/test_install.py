@@ -96,7 +96,7 @@ def test_wheel_holds_configs_and_experiments_under_kvprobe(installed):
 def test_the_organisms_wheel_holds_the_recommended_organisms_and_the_kvprobe_wheel_no_weights(installed):
     import zipfile
 
-    from kvprobe.organism.registry import load_registry
+    from kvprobe.models.organisms import load_registry
 
     wheel, _ = installed
     assert not [n for n in zipfile.ZipFile(wheel).namelist() if n.endswith((".safetensors", ".bin", ".gguf"))]

@@ -47,7 +47,7 @@ def test_rope_gate_on_smollm(smollm):
 
 def test_organism_alias_loads_offline_and_differs_from_base(smollm):
     from kvprobe.models.loading import load_model
-    from kvprobe.organism.registry import load_registry
+    from kvprobe.models.organisms import load_registry
 
     org = load_model(load_registry().recommended()["llama"], device="cpu", dtype="float32")  # its adapter is committed
     ids = torch.arange(100, 140)[None]

@@ -124,7 +124,7 @@ def test_a_directory_with_weights_is_not_random_init(tmp_path):
 def test_cli_random_init_run_is_marked_in_record_and_table(tiny_text_dir, tmp_path, capsys):
     import shutil
 
-    from kvprobe.runner.cli import main
+    from kvprobe.app.cli import main
 
     plain = tmp_path / "plain"
     shutil.copytree(tiny_text_dir, plain)
@@ -142,7 +142,7 @@ def test_cli_random_init_run_is_marked_in_record_and_table(tiny_text_dir, tmp_pa
 
 def test_models_shows_first_load_time_and_cache_disk_measured_from_the_cache(tmp_path, monkeypatch, capsys):
     from kvprobe.models.loading import FIRST_LOAD_FILE
-    from kvprobe.runner.cli import main
+    from kvprobe.app.cli import main
 
     monkeypatch.setenv("KVPROBE_CACHE", str(tmp_path))
     smol = tmp_path / "dequantized" / "smollm2-135m"

@@ -37,6 +37,21 @@ def test_e4_layout_is_crossed_with_the_label():
     assert cells == {(lay, act): 2 for lay in ("contiguous", "split") for act in ("allow", "refuse")}
 
 
+def test_e4_crossed_design_is_in_the_record_hash():
+    """The crossed layout changed what a memory run computes: records of the confounded design (layouts[i % 2])
+    must not share its name, so the period is resolved into the hash (not hash-neutral), and an odd one (which
+    would unbalance the cells) is refused."""
+    import pytest
+    from pydantic import ValidationError
+
+    from kvprobe.experiments.memory import Params
+    from kvprobe.schema import hashed_params
+
+    assert hashed_params(Params())["layout_period"] == 2
+    with pytest.raises(ValidationError):
+        Params(layout_period=3)
+
+
 def test_persona_placement_and_length():
     """Early puts the memory before the conversation, late after it; the same user at every length."""
     late, early = persona_instance(3, 0, 20), persona_instance(3, 0, 40, placement="early")

@@ -157,7 +157,7 @@ def test_cuda_loads_stream_bf16_onto_the_device():
 
 
 def test_cli_offline_flag_reaches_the_loader(monkeypatch, tmp_path):
-    from kvprobe.runner import cli
+    from kvprobe.app import cli
 
     seen = {}
 

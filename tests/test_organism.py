@@ -90,7 +90,7 @@ def test_counterfactual_rule_exchanges_the_values_of_every_template_rule(templat
 
 def test_init_from_starts_where_the_named_organism_ends(tiny_text_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("KVPROBE_CACHE", str(tmp_path / "cache"))
-    import kvprobe.organism.registry as registry
+    import kvprobe.models.organisms as registry
 
     monkeypatch.setattr(registry, "ORGANISMS_DIR", tmp_path / "organisms")
     kw = dict(base_model=str(tiny_text_dir), pairs_per_step=1, eval_instances=2, lr=5e-3)

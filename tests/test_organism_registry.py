@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from kvprobe.errors import KVProbeError
-from kvprobe.organism import registry as orgreg
+from kvprobe.models import organisms as orgreg
 
 REPO = Path(__file__).resolve().parents[1]
 ORGS = REPO / "organisms"
@@ -204,7 +204,7 @@ def test_loading_an_unrestored_history_organism_names_the_restore_command(reg):
 
 
 def test_the_models_listing_and_the_registry_command_read_the_registry(capsys):
-    from kvprobe.runner.cli import main
+    from kvprobe.app.cli import main
 
     assert main(["models"]) == 0
     out = capsys.readouterr().out
@@ -220,8 +220,8 @@ def test_the_models_listing_and_the_registry_command_read_the_registry(capsys):
 
 
 def test_a_sealed_test_draw_refuses_a_dirty_tree_and_a_second_scoring_and_validate_refuses_test(capsys):
-    from kvprobe.organism.test_draws import TEST_DRAWS, check_may_score
-    from kvprobe.runner.cli import main
+    from organisms.tooling.draws import TEST_DRAWS, check_may_score
+    from kvprobe.app.cli import main
 
     sealed = [n for n, d in TEST_DRAWS.items() if d.sealed]
     assert sealed and all(TEST_DRAWS[n].pairs for n in sealed)  # a sealed draw's size is fixed in advance
@@ -242,7 +242,7 @@ def test_a_sealed_test_draw_refuses_a_dirty_tree_and_a_second_scoring_and_valida
 
 def test_the_sealed_word_list_holds_only_new_test_words():
     """Every test-split word and rule phrasing of the sealed list is absent from every earlier list."""
-    from kvprobe.organism.test_draws import TEST_DRAWS
+    from organisms.tooling.draws import TEST_DRAWS
     from kvprobe.tasks.generator import WORDS_FILE, check_splits, load_words, split_words
 
     sealed = load_words(REPO / TEST_DRAWS["sealed-1"].words)

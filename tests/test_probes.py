@@ -20,12 +20,12 @@ from kvprobe.patching.ranking import (count_grid, layer_bands, position_bands, r
                                       sweep_recovery)
 from kvprobe.patching.residuals import commit_layer, logit_lens, resid_stack
 from kvprobe.patching.sweep import KVPatch
-from kvprobe.runner.cli import main
+from kvprobe.app.cli import main
 from kvprobe.runner.config import load_config, validate_params
 from kvprobe.runner.experiment import Context, get_experiment
 from kvprobe.probes.common import binned_profile, curve_summary
 from kvprobe.runner.records import load_records
-from kvprobe.runner.report import report_rows
+from kvprobe.app.report import report_rows
 from kvprobe.stats.probe import first_layer_at, group_cv_accuracy
 from kvprobe.tasks.gated import generate_instances, load_template, tokenize_pair
 from kvprobe.tasks.polarity import generate_polarity_instances, prompt_labels

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvprobe.runner.cli import main
+from kvprobe.app.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 ORGANISM = "smollm2-135m-gated-v3n2-seed2"
@@ -91,7 +91,7 @@ def test_failing_commands_leave_no_partial_output(tmp_path, monkeypatch, capsys)
 
 def test_a_random_init_model_is_marked_and_never_named_by_its_path(scratch, capsys):
     from kvprobe.runner.records import load_records
-    from kvprobe.runner.report import report_rows
+    from kvprobe.app.report import report_rows
 
     names = {r["model"]["name"] for r in load_records(scratch)}
     assert names == {ORGANISM, "tiny-llama (random init)"}
@@ -113,7 +113,7 @@ def test_figures_claims_and_report_need_no_study_file(scratch, tmp_path, monkeyp
     assert main(["report", "--results", str(scratch)]) == 0
     assert (scratch / "figures" / "fig3a_locality.png").is_file() and (scratch / "claims.json").is_file()
     assert "make " not in capsys.readouterr().err
-    from kvprobe.runner.report import _organism_for
+    from kvprobe.app.report import _organism_for
 
     assert _organism_for("smollm2-135m") == ORGANISM  # a null run still names the organism that shows the effect
 

@@ -11,7 +11,7 @@ from kvprobe import prefill, read_logits  # the public functions: a bare transfo
 from kvprobe.kv.gate import run_gate
 from kvprobe.kv.rope import rerotate, rope_layer_info, rotate_keys, shift
 from kvprobe.models.tiny import _COMMON, tiny_config, write_config_dir
-from kvprobe.runner.cli import main
+from kvprobe.app.cli import main
 
 ROT_TOL = 1e-5  # the rotation itself (layer-0 keys), fp32
 LOGIT_TOL = 1e-4

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvprobe.runner.cli import main
+from kvprobe.app.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from kvprobe.claims import claim_rows, evaluate
-from kvprobe.runner.cli import main
+from kvprobe.app.cli import main
 from kvprobe.runner.experiment import get_experiment
 
 CASES = {

@@ -126,7 +126,7 @@ def test_two_choice_read_is_the_teacher_forced_log_probability(tiny_screen):
 
 
 def test_screen_end_to_end_on_every_task(tiny_screen, tmp_path):
-    from kvprobe.runner.cli import main
+    from kvprobe.app.cli import main
 
     model, zpath = tiny_screen
     assert main(["run", "configs/screen.yaml", "--model", str(model), "--output-dir", str(tmp_path), "--set",
@@ -161,3 +161,23 @@ def test_a_model_screened_in_parts_reads_each_cell_from_its_record():
         _cell([direct, direct], "memory", "direct")
     with pytest.raises(KVProbeError, match="memory/direct, memory/chain|was not screened"):
         _cell([direct, chain], "tau2", "direct")
+
+
+def test_one_competence_measure_for_the_screen_and_the_claims():
+    """kvprobe.competence.measure is the one competence measure: the claims' row reader (kvprobe.claims.competence)
+    gives its accuracy, interval and verdict, and a screen cell's verdict is its is_competent on the cell."""
+    from kvprobe.claims import Claim, competence as claim_competence
+    from kvprobe.competence import COMPETENCE_GATE, is_competent, measure
+
+    correct = [i != 3 for i in range(24)]
+    m = measure([float(c) for c in correct])
+    rows = [{"index": i, "scenario": f"s{i}", "full_correct": c} for i, c in enumerate(correct)]
+    got = claim_competence(Claim("g", "t", "at_least", "agree", bound=0.5, competence=("full_correct",)), rows)
+    assert (got["accuracy"], (got["ci_low"], got["ci_high"]), got["competent"]) == (m.accuracy, m.ci, m.competent)
+    assert m.competent and got["n"] == 24 and measure([]) is None
+    assert not measure([1.0, 0.0] * 12).competent  # at chance
+    assert is_competent(0.9, 0.6) and not is_competent(0.9, 0.4) and not is_competent(0.7, 0.6)
+    assert not is_competent(0.9, None) and COMPETENCE_GATE == Params().gate
+    decide = [_row(i, f"s{i % 6}", *_labels(i), _labels(i), (-2.0, 2.0)) for i in range(12)]
+    c = cell(decide, "direct", Params())
+    assert c["competent"] is is_competent(c["accuracy"]["mean"], c["accuracy"]["ci_low"], Params().gate)

@@ -13,7 +13,7 @@ from kvprobe.models.loading import load_model
 from kvprobe.patching.ranking import rank_downstream
 from kvprobe.probes import Case, materialize, sweep
 from kvprobe.probes.scrub import hypotheses, hypothesis_size, reorder_fillers, resampled_donors
-from kvprobe.runner.cli import main
+from kvprobe.app.cli import main
 from kvprobe.tasks.gated import generate_instances, tokenize_pair
 
 

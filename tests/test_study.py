@@ -66,7 +66,7 @@ def test_a_smoke_run_goes_to_runs_and_publish_sends_it_to_results(tiny_text_dir,
 
 
 def test_first_contact_sentence_reads_the_numbers_beside_the_paper():
-    from kvprobe.runner.report import interpretation
+    from kvprobe.app.report import interpretation
 
     records = {(r["model"]["name"], r["_task"]): r for r in published_records(load_records(REPO / "results"))
                if r["experiment"] == "locality"}
@@ -78,3 +78,32 @@ def test_first_contact_sentence_reads_the_numbers_beside_the_paper():
     assert f"recovers {fo:.2f}" in some and "paper: field-only -0.028" in some and "as in the paper" in some
     qwen = interpretation(records[("qwen2.5-coder-0.5b", "gated")])
     assert "MODEL=qwen2.5-coder-0.5b-gated-v3-cal2" in qwen
+
+
+def test_the_run_core_takes_the_publication_policy_and_the_cli_passes_the_study(tiny_text_dir, tmp_path,
+                                                                                monkeypatch):
+    """run_experiment never asks the study: its ``publishes`` argument decides. The Python default (None) publishes
+    nothing, so a run from Python goes to runs/ unless it passes publish=True, a policy or an output_dir;
+    `kvprobe run` passes the study's policy (kvprobe.study.is_published)."""
+    from kvprobe import study
+    from kvprobe.app.cli import main
+    from kvprobe.errors import KVProbeError
+    from kvprobe.runner.experiment import run_experiment
+
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(REPO / "configs" / "locality.yaml", {"model": str(tiny_text_dir), "task": {"n_instances": 2}})
+    scratch, _ = run_experiment(cfg, progress=False)
+    assert scratch.parts[0] == "runs" and not (tmp_path / "results").exists()
+    asked = []
+    published, _ = run_experiment(cfg, progress=False, publishes=lambda model, h: asked.append((model, h)) or True)
+    assert published.parts[0] == "results" and asked == [(cfg.model, published.stem)]
+
+    seen = {}
+
+    def fake_run(cfg, **kwargs):
+        seen.update(kwargs)
+        raise KVProbeError("stop here")
+
+    monkeypatch.setattr("kvprobe.runner.experiment.run_experiment", fake_run)
+    assert main(["run", str(REPO / "configs" / "locality.yaml"), "--model", str(tiny_text_dir)]) == 2
+    assert seen["publishes"] is study.is_published

@@ -8,7 +8,8 @@ from kvprobe.metrics import logit_diff
 from kvprobe.models.loading import load_model
 from kvprobe.patching.pairs import measure, prefill_pair
 from kvprobe.patching.ranking import rank_downstream
-from kvprobe.runner.cli import main
+from kvprobe.app.cli import main
+from kvprobe.runner.experiment import get_experiment
 from kvprobe.tasks.gated import generate_instances, tokenize_pair
 
 
@@ -32,6 +33,8 @@ def test_suffix_cli_and_figure(tiny_text_dir, tmp_path):
     rec = json.loads(next(tmp_path.glob("suffix/*/*.json")).read_text())
     row = rec["rows"][0]
     assert len(row["layer_bands"]) == 2 and row["top_tokens"] and "all" in rec["summary"]["cumulative"]
+    assert list(rec["summary"])[-2:] == ["row_measures", "crossfit"]  # the declared shape, cross-fitted or not
+    get_experiment("suffix").summary_model.model_validate(rec["summary"])
     assert any(p.name == "fig3bc_suffix.png" for p in render_all(tmp_path, tmp_path / "figs"))
 
 

@@ -7,15 +7,15 @@ import json
 
 
 def _train(args: argparse.Namespace) -> int:
-    from kvprobe.experiments.sae import Params
     from kvprobe.features.sae import SAESpec, build
     from kvprobe.models.loading import load_model
     from kvprobe.runner.config import load_config, parse_overrides, validate_params
+    from kvprobe.runner.experiment import get_experiment
 
     cfg = load_config(args.config, parse_overrides(args.set or []))
     if args.model:
         cfg = cfg.model_copy(update={"model": args.model})
-    p = validate_params(Params, cfg.params, args.config)
+    p = validate_params(get_experiment("sae").params, cfg.params, args.config)  # the experiment, loaded by name
     lm = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed)
     out = {}
     for site in p.sites:

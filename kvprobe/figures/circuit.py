@@ -131,7 +131,7 @@ def fig15d_scrubbing(records: list[dict[str, Any]], path: Path) -> None:
     save(fig, path)
 
 
-CIRCUIT_FIGURES = {
+FIGURES = {
     "fig15a_heads": ("heads", fig15a_heads),
     "fig15c_write_share": ("write_share", fig15c_write_share),
     "fig15d_scrubbing": ("scrubbing", fig15d_scrubbing),

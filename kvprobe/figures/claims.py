@@ -66,7 +66,7 @@ def forest_models(published: list[dict[str, Any]]) -> list[str]:
 def fig_claims(records: list[dict[str, Any]], path: Path, claim_rows: list[dict[str, Any]] | None = None) -> None:
     """Draw the figure from ``claim_rows`` (the table just computed), else from the claims table beside the records."""
     from kvprobe.figures.common import random_init_models
-    from kvprobe.runner.pages import EXPERIMENT_ORDER
+    from kvprobe.runner.sections import experiment_order
     from kvprobe.study import _study_file, main_records, published_records
 
     # the study's published records; a folder with none (a scratch folder, a test) is drawn from its own records
@@ -86,7 +86,7 @@ def fig_claims(records: list[dict[str, Any]], path: Path, claim_rows: list[dict[
         rows.setdefault((unit_of(row), row["experiment"], row["claim"]), {})[row["model"]] = row
     if not rows:
         return
-    order = {e: i for i, e in enumerate(EXPERIMENT_ORDER)}
+    order = {e: i for i, e in enumerate(experiment_order())}
     units = [u for u in UNITS if any(k[0] == u for k in rows)]
     per_unit = {u: sorted((k for k in rows if k[0] == u), key=lambda k: (order.get(k[1], len(order)), k[1], k[2]))
                 for u in units}
@@ -139,3 +139,6 @@ def fig_claims(records: list[dict[str, Any]], path: Path, claim_rows: list[dict[
     fig.tight_layout(rect=(0.0, 0.0, 1.0, 0.93))
     fig._kvprobe_laid_out = True
     save(fig, path, dpi=150)
+
+
+FIGURES = {"claims_forest": ("", fig_claims)}  # every paper claim x model (reads all records: experiment "")

@@ -8,7 +8,8 @@ field-only at ~725 tokens, from the paper registry) is drawn for reference.
 
 The cross-size view (``fig3a_locality_sizes``): the grid of ``configs/locality_sizes.yaml`` on the pretrained
 sizes, field-only recovery against model size with the rule before vs after the field, beside the paper's 8B
-value (its cells come from :func:`kvprobe.runner.report.size_cells`, which the report's table reads too).
+value, the two organisms as reference points (its records come from :func:`kvprobe.trends.size_records`, which the
+report's table and the trend tests read too).
 """
 
 from __future__ import annotations
@@ -109,50 +110,90 @@ DISTANCE_FIGURES = {"fig3a_locality_distance": ("locality_distance", fig_localit
 # The paper's field-only value on its headline model (Sec. 3 (1)): Llama-3.1-8B, its template (the rule in the
 # policy after the session context that holds the field), the field ~725 tokens before the decision.
 LLAMA_8B_PARAMS_B = 8.0  # where the paper's Llama-3.1-8B point sits on the size axis
-RULE_STYLE = {"before field": ("tab:blue", "-"), "after field": ("tab:orange", "--")}
+
+
+RULE_GROUPS = {  # one line per rule position (formats pooled), and the paper's layout apart
+    "rule before field": ("tab:blue", "-", "o", (("rule_at", "before_field"), ("format", ("user_turn", "document_qa")))),
+    "rule after field": ("tab:orange", "--", "s", (("rule_at", "after_field"), ("format", ("user_turn", "document_qa")))),
+    "paper's layout (rule after)": ("tab:green", "-.", "D", (("format", "gated_template"),)),
+}
+
+
+def _group_points(rec: dict[str, Any], where: Any, dist: int) -> dict[str, Any] | None:
+    """Gate rate (exact CI) and field-only recovery over gated rows (cluster CI) of one record's rows in a group."""
+    from kvprobe.probes.summary import scenarios, summarize_column
+    from kvprobe.stats.inference import summarize_proportion
+    from kvprobe.trends import matches
+
+    rows = [r for r in rec["rows"] if matches(r, where) and r.get("distance_target") == dist]
+    if not rows:
+        return None
+    gated = [r for r in rows if r["included"]]
+    return {"gate": summarize_proportion([bool(r["included"]) for r in rows], scenarios(rows)),
+            "field_only": summarize_column(gated, [r.get("field_only") for r in gated]) if gated else None}
+
+
+def _ci_ok(stat: dict[str, Any] | None) -> bool:
+    return bool(stat and stat.get("ci_low") is not None and stat.get("ci_high") is not None
+                and (stat.get("n_clusters") or MIN_CI_CLUSTERS) >= MIN_CI_CLUSTERS)  # no interval from < 5 clusters
 
 
 def fig_locality_sizes(records: list[dict[str, Any]], path: Path) -> None:
-    """Field-only recovery against model size, the rule before vs after the field (the cross-size view of
-    paper Fig. 3a): one column per distance, recovery (included instances, cluster CI) above and the inclusion
-    rate below, one line per (format, rule position) over the pretrained sizes; the paper's 8B value marked."""
-    from kvprobe.runner.report import size_cells
+    """Field-only recovery and the gate rate against model size (the cross-size view of paper Fig. 3a): one column
+    per distance, recovery over gated instances (cluster CI) above, the gate rate (exact CI) below, one line per rule
+    position over the pretrained sizes (formats pooled), the paper's layout apart; the two organisms as hollow
+    reference points at their base model's size, the paper's Llama-3.1-8B value marked."""
+    from kvprobe.trends import size_records
 
-    cells = [c for c in size_cells(records) if c["params_b"]]
-    if not cells:
+    pretrained = size_records(records)
+    organisms = size_records(records, kinds=("organism",))
+    if not pretrained:
         return
-    distances = sorted({c["distance"] for c in cells})
-    fig, axes = plt.subplots(2, len(distances), figsize=(6.5, 5.4), squeeze=False,
-                             sharex=True, gridspec_kw={"height_ratios": [2.2, 1]})
-    lines = sorted({(c["format"], c["rule"]) for c in cells})
+    distances = sorted({r["distance_target"] for rec in pretrained for r in rec["rows"]})
+    fig, axes = plt.subplots(2, len(distances), figsize=(6.5, 5.2), squeeze=False, sharex=True, sharey="row",
+                             gridspec_kw={"height_ratios": [1.6, 1]})
     for col, dist in enumerate(distances):
         top, bottom = axes[0][col], axes[1][col]
-        for i, (fmt, rule) in enumerate(lines):
-            part = sorted((c for c in cells if (c["format"], c["rule"], c["distance"]) == (fmt, rule, dist)),
-                          key=lambda c: c["params_b"])
-            if not part:
-                continue
-            color, ls = RULE_STYLE.get(rule, ("tab:gray", ":"))
-            kw = dict(color=color, ls=ls, marker=MARKERS.get(fmt, "o"), ms=5, lw=1.2, label=f"{fmt}, rule {rule}")
-            shift = 1 + 0.05 * (i - (len(lines) - 1) / 2)  # side by side at one size, so equal values stay visible
-            bottom.plot([c["params_b"] * shift for c in part], [c["cell"]["inclusion_rate"] for c in part], **kw)
-            pts = [(c["params_b"] * shift, c["cell"]) for c in part if c["cell"]["n_included"]]
-            if pts:
-                top.plot([x for x, _ in pts], [cell["recovery"]["field_only"]["gated"]["mean"] for _, cell in pts],
-                         **kw)
-            for x, cell in pts:
-                s = cell["recovery"]["field_only"]["gated"]
-                if s.get("ci_low") is not None and s.get("ci_high") is not None and \
-                        (s.get("n_clusters") or MIN_CI_CLUSTERS) >= MIN_CI_CLUSTERS:  # no interval from < 5 clusters
-                    top.vlines(x, s["ci_low"], s["ci_high"], color=color, lw=0.9)
-                top.annotate(f"{cell['n_included']}/{cell['n']}", (x, s["mean"]), textcoords="offset points",
-                             xytext=(4, 3 if rule == "before field" else -9), fontsize=6, color=color)
-        top.plot(LLAMA_8B_PARAMS_B, _paper_point()[1], marker="*", color="black", ms=10, ls="none",
-                 label=f"paper: Llama-3.1-8B, rule after field, ~{_paper_point()[0]:.0f} tok")
+        for i, (label, (color, ls, marker, where)) in enumerate(RULE_GROUPS.items()):
+            shift = 1 + 0.06 * (i - 1)  # side by side at one size, so equal values stay visible
+            line_x, gate_y, rec_x, rec_y = [], [], [], []
+            for rec in pretrained:
+                pt = _group_points(rec, where, dist)
+                if pt is None:
+                    continue
+                x = rec["_params_b"] * shift
+                g = pt["gate"]
+                line_x.append(x)
+                gate_y.append(g["mean"])
+                bottom.vlines(x, g["ci_low"], g["ci_high"], color=color, lw=0.9)
+                fo = pt["field_only"]
+                if fo and fo.get("mean") is not None:
+                    rec_x.append(x)
+                    rec_y.append(fo["mean"])
+                    if _ci_ok(fo):
+                        top.vlines(x, fo["ci_low"], fo["ci_high"], color=color, lw=0.9)
+                    top.annotate(f"{fo['n']}", (x, fo["mean"]), textcoords="offset points", xytext=(4, 2),
+                                 fontsize=6, color=color)
+            if line_x:
+                bottom.plot(line_x, gate_y, color=color, ls=ls, marker=marker, ms=4, lw=1.2, label=label)
+                top.plot(rec_x, rec_y, color=color, ls=ls, marker=marker, ms=4, lw=1.2)
+            for rec in organisms:
+                pt = _group_points(rec, where, dist)
+                if pt is None:
+                    continue
+                x = rec["_params_b"] * shift * 1.12
+                bottom.plot(x, pt["gate"]["mean"], marker=marker, mfc="none", color=color, ms=5, ls="none")
+                fo = pt["field_only"]
+                if fo and fo.get("mean") is not None:
+                    top.plot(x, fo["mean"], marker=marker, mfc="none", color=color, ms=5, ls="none")
+        if dist >= 500:  # the paper's point: its template, the field ~725 tokens before the decision
+            top.plot(LLAMA_8B_PARAMS_B, _paper_point()[1], marker="*", color="black", ms=10, ls="none")
+            top.annotate(f"paper, Llama-3.1-8B\n~{_paper_point()[0]:.0f} tok", (LLAMA_8B_PARAMS_B, _paper_point()[1]),
+                         textcoords="offset points", xytext=(-30, 10), fontsize=6)
         top.axhline(0, color="black", lw=0.6)
         top.axhline(1, color="black", lw=0.4, ls=":")
-        measured = [c["cell"]["distance_tokens_mean"] for c in cells if c["distance"] == dist]
-        top.set_title(f"field {dist} tokens before the decision\n(measured {min(measured):.0f}-{max(measured):.0f})",
+        measured = [r["distance_tokens"] for rec in pretrained for r in rec["rows"] if r.get("distance_target") == dist]
+        top.set_title(f"field ~{dist} tokens before the decision (measured {min(measured)}-{max(measured)})",
                       fontsize=7)
         bottom.set_ylim(-0.05, 1.05)
         bottom.set_xscale("log")
@@ -162,20 +203,26 @@ def fig_locality_sizes(records: list[dict[str, Any]], path: Path) -> None:
         bottom.set_xlabel("model size (parameters)", fontsize=8)
         for ax in (top, bottom):
             ax.tick_params(labelsize=7)
-    axes[0][0].set_ylabel("field-only recovery\n(included instances, 95% cluster CI)", fontsize=7)
-    axes[1][0].set_ylabel("included\n(oracle flip >= gate)", fontsize=7)
-    handles, labels = [], []
-    for ax in axes.flat:
+    axes[0][0].set_ylabel("field-only recovery\n(gated instances, 95% cluster CI)", fontsize=7)
+    axes[1][0].set_ylabel("gate rate\n(95% exact CI)", fontsize=7)
+    handles, labels = axes[1][-1].get_legend_handles_labels()
+    for ax in axes[1]:
         for h, lab in zip(*ax.get_legend_handles_labels()):
             if lab not in labels:
                 handles.append(h)
                 labels.append(lab)
+    from matplotlib.lines import Line2D
+
+    handles.append(Line2D([], [], marker="o", mfc="none", color="gray", ls="none"))
+    labels.append("organism (LoRA on the 135M / 0.5B), same colours")
     fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=6, frameon=False)
-    fig.suptitle("Locality across pretrained sizes: does the decision read the field?\n(paper Fig. 3a, by size)",
-                 fontsize=8)
-    fig.tight_layout(rect=(0, 0.13, 1, 0.95))
+    fig.suptitle("Where notes take over: the field's share of the decision against model size\n"
+                 "(pretrained SmolLM2-135M, Qwen2.5-Coder-0.5B and -1.5B; numbers: gated instances)", fontsize=8)
+    fig.tight_layout(rect=(0, 0.1, 1, 0.94))
     fig.savefig(path, dpi=130)
     plt.close(fig)
 
 
 DISTANCE_FIGURES["fig3a_locality_sizes"] = ("locality_distance", fig_locality_sizes)
+
+FIGURES = DISTANCE_FIGURES  # what kvprobe.figures collects from each of its modules

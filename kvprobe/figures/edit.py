@@ -200,8 +200,8 @@ def fig23_long_horizon(records: list[dict[str, Any]], path: Path) -> None:
     save(fig, path)
 
 
-# figure file stem -> (experiment whose records it reads, drawing function); merged into FIGURES
-EDIT_FIGURES = {
+# figure file stem -> (experiment whose records it reads, drawing function), collected by kvprobe.figures
+FIGURES = {
     "fig16_edit_frontier": ("edit_frontier", fig16_edit_frontier),
     "fig17_selective_k": ("edit_frontier", fig17_selective_k),
     "fig3d_edit_wording": ("edit_wording", fig3d_edit_wording),

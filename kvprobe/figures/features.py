@@ -137,4 +137,4 @@ def fig15e_sae(records: list[dict[str, Any]], path: Path) -> None:
     save(fig, path)
 
 
-FEATURE_FIGURES = {"fig15b_directions": ("directions", fig15b_directions), "fig15e_sae": ("sae", fig15e_sae)}
+FIGURES = {"fig15b_directions": ("directions", fig15b_directions), "fig15e_sae": ("sae", fig15e_sae)}

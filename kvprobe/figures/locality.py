@@ -207,3 +207,10 @@ def figC_offtemplate(records: list[dict[str, Any]], path: Path) -> None:
                  "0.25-0.63 on attribute)", fontsize=8)
     legend_below(fig, axes[0][0])
     save(fig, path)
+
+
+# figure file stem -> (experiment whose records it reads, drawing function), collected by kvprobe.figures
+FIGURES = {
+    "fig3a_locality": ("", fig3a_locality),  # reads locality and locality_distance (the rule-position runs)
+    "figC_offtemplate": ("locality", figC_offtemplate),
+}

@@ -180,8 +180,8 @@ def fig_offtemplate(records: list[dict[str, Any]], path: Path) -> None:
     save(fig, path)
 
 
-# figure file stem -> (experiment, drawing function); merged into kvprobe.figures.FIGURES
-MECHANISM_FIGURES = {
+# figure file stem -> (experiment whose records it reads, drawing function), collected by kvprobe.figures
+FIGURES = {
     "fig3_knockout": ("knockout", fig_knockout),
     "fig3_probes": ("probes", fig_probes),
     "appC_writability": ("writability", fig_writability),

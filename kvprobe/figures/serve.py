@@ -91,4 +91,5 @@ def fig14a_serve(records: list[dict[str, Any]], path: Path) -> None:
 
 
 # figure file stem -> (benchmark whose records it reads, drawing function); merged into kvprobe.figures.BENCH
+# benchmark figures: stem -> (benchmark whose records it reads: results/bench/<name>_<model>.json, drawing function)
 BENCH_FIGURES = {"fig14a_serve": ("serve", fig14a_serve)}

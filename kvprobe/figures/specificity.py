@@ -27,3 +27,6 @@ def table4_specificity(records: list[dict[str, Any]], path: Path) -> None:
     paper_band(ax, *rand8.low_high, f"paper rand-8 <= {rand8.low_high[1]:g}", color="#8d8d8d")
     legend_below(fig, ax, ncol=len(keys))
     save(fig, path)
+
+
+FIGURES = {"table4_specificity": ("specificity", table4_specificity)}

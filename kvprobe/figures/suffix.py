@@ -42,3 +42,6 @@ def fig3bc_suffix(records: list[dict[str, Any]], path: Path) -> None:
         ax.tick_params(labelsize=6)
     legend_below(fig, a, ncol=3)  # the top tokens of each model are on the suffix page (docs/results)
     save(fig, path)
+
+
+FIGURES = {"fig3bc_suffix": ("suffix", fig3bc_suffix)}

@@ -40,3 +40,6 @@ def sec9_tau2(records: list[dict[str, Any]], path: Path) -> None:
     axes[0].axhline(0.5, color="grey", lw=0.6, ls=":")
     fig.suptitle("τ²-bench retail: state change mid-trajectory (paper Sec. 9)", fontsize=9)
     save(fig, path)
+
+
+FIGURES = {"sec9_tau2": ("tau2", sec9_tau2)}  # Sec. 9: τ²-bench retail

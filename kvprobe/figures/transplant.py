@@ -47,3 +47,6 @@ def fig6b_transplant(records: list[dict[str, Any]], path: Path) -> None:
     fig.suptitle("Transplanted skill vs full recompute (paper Fig. 6b)", fontsize=10)
     legend_below(fig, axes[1], ncol=4)
     save(fig, path)
+
+
+FIGURES = {"fig6b_transplant": ("transplant", fig6b_transplant)}

@@ -53,3 +53,6 @@ def table1_weight_edit(records: list[dict[str, Any]], path: Path) -> None:
     fig._kvprobe_laid_out = True  # the legend sits below the axes: keep this layout
     fig.suptitle("KV editing vs weight editing for per-request state (paper Table 1; 'id' = identity)", fontsize=9)
     save(fig, path)
+
+
+FIGURES = {"table1_weight_edit": ("weight_edit", table1_weight_edit)}  # Table 1: KV vs weight edits

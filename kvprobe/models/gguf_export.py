@@ -67,8 +67,10 @@ def export_organism_gguf(alias: str, flavour: str = "mixed") -> Path:
     ``f32`` only: its plain GGUF is already the mixed case."""
     import gguf
 
-    from kvprobe.models.loading import gguf_path, load_model
-    from kvprobe.models.registry import resolve
+    from kvprobe.models.loading import embedded_gguf_path, load_model
+    from kvprobe.models.registry import register_organisms, resolve
+
+    register_organisms()
 
     if flavour not in FLAVOURS:
         raise KVProbeError(f"unknown GGUF flavour '{flavour}'; known: {', '.join(FLAVOURS)}")
@@ -83,7 +85,7 @@ def export_organism_gguf(alias: str, flavour: str = "mixed") -> Path:
         return target
     base_alias = entry.source if is_organism else alias
     base = load_model(base_alias, device="cpu", dtype="float32") if is_organism else organism
-    base_gguf = gguf_path(base_alias)
+    base_gguf = embedded_gguf_path(base_alias)
     log.warning("exporting %s to GGUF once (base %s + merged adapter) into the kvprobe cache", alias, base_gguf.name)
 
     merged_sd = organism.model.state_dict()
@@ -178,3 +180,18 @@ def _verify(path: Path, replaced: dict[str, np.ndarray], base_tensors: dict) -> 
                 raise KVProbeError(f"the exported GGUF's {name} does not read back as written")
         elif t.tensor_type != base_tensors[name].tensor_type or not np.array_equal(t.data, base_tensors[name].data):
             raise KVProbeError(f"the exported GGUF's {name} differs from its base's bytes")
+
+
+def gguf_path(alias: str) -> Path:
+    """The GGUF file of a model alias: what the llama.cpp backend (``kvprobe.backends.llamacpp``) loads. An embedded
+    alias gets the file kvprobe's HF loader dequantizes (:func:`kvprobe.models.loading.embedded_gguf_path`); an
+    organism gets its base model's GGUF with the merged adapter written in, built once into the kvprobe cache
+    (:func:`export_organism_gguf`)."""
+    from kvprobe.models.loading import embedded_gguf_path
+    from kvprobe.models.registry import register_organisms, resolve
+
+    register_organisms()
+    entry = resolve(alias)
+    if not isinstance(entry, Path) and entry.kind == "organism":
+        return export_organism_gguf(alias)
+    return embedded_gguf_path(alias)

@@ -32,7 +32,7 @@ from kvprobe.backends.hf import HFKVBackend
 from kvprobe.cache_dir import cache_root
 from kvprobe.errors import KVProbeError
 from kvprobe.models.arch import ArchSpec, arch_spec
-from kvprobe.models.registry import ModelEntry, resolve
+from kvprobe.models.registry import ModelEntry, register_organisms, resolve
 
 log = logging.getLogger(__name__)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
@@ -68,7 +68,8 @@ class LoadedModel(HFKVBackend):
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "source": self.source, "fingerprint": self.fingerprint,
                 "model_type": self.spec.model_type, "n_layers": self.spec.n_layers, "dtype": str(self.dtype),
-                "device": str(self.device), **({"random_init": True} if self.random_init else {})}
+                "device": str(self.device), "n_params": sum(p.numel() for p in self.model.parameters()),
+                **({"random_init": True} if self.random_init else {})}
 
 
 def _package_dir(package: str, install: str = "make install") -> Path:
@@ -225,7 +226,7 @@ def organism_fingerprint(base_fingerprint: str, adapter_dir: Path) -> str:
 def load_organism(entry: ModelEntry, device: str = "cpu", dtype: str = "float32") -> LoadedModel:
     """An organism alias offline: its base model with the committed LoRA adapter merged in (a plain
     transformers model, so every site, hook and KV operation applies unchanged)."""
-    from kvprobe.organism.registry import require_adapter
+    from kvprobe.models.organisms import require_adapter
 
     folder = Path(str(entry.gguf_file))
     require_adapter(entry.alias, folder)  # a history organism's weights are in git: one error naming restore
@@ -399,6 +400,7 @@ def load_model(name: str, device: str | None = "auto", dtype: str | None = "auto
     config but no weights: seeded random weights, marked ``random_init`` in the record."""
     dev = _pick_device(device)
     torch_dtype = _pick_dtype(dtype, dev)
+    register_organisms()  # organism aliases are registered explicitly, then looked up
     target = resolve(name)
     random = False
     if isinstance(target, Path):
@@ -442,16 +444,12 @@ def weights_available(entry: ModelEntry) -> bool:
         return False
 
 
-def gguf_path(alias: str) -> Path:
-    """The GGUF file behind an embedded model alias (the same weights kvprobe's HF loader dequantizes): what
-    the llama.cpp backend (``kvprobe.backends.llamacpp``) loads. An organism gets its base model's GGUF with the
-    merged adapter written in, built once into the kvprobe cache (:mod:`kvprobe.models.gguf_export`)."""
+def embedded_gguf_path(alias: str) -> Path:
+    """The GGUF file behind an embedded model alias (the same weights kvprobe's HF loader dequantizes). An
+    organism's GGUF (its base's with the merged adapter written in) is :func:`kvprobe.models.gguf_export.gguf_path`,
+    which takes any alias."""
     entry = resolve(alias)
-    if not isinstance(entry, Path) and entry.kind == "organism":
-        from kvprobe.models.gguf_export import export_organism_gguf
-
-        return export_organism_gguf(alias)
-    if isinstance(entry, Path) or entry.gguf_file is None:
+    if isinstance(entry, Path) or entry.kind == "organism" or entry.gguf_file is None:
         raise KVProbeError(f"model '{alias}' has no GGUF file: use an embedded GGUF alias (smollm2-135m, "
                            "qwen2.5-coder-0.5b, ...) or an organism of one")
     return _gguf_path(entry)

@@ -83,23 +83,25 @@ DEFAULT_MODEL = "smollm2-135m"
 
 
 def register(entry: ModelEntry) -> None:
-    """Add an alias at run time (organisms register themselves this way)."""
+    """Add an alias at run time (:func:`register_organisms` adds the organisms this way)."""
     REGISTRY[entry.alias] = entry
 
 
 # Organisms: one folder each under the top-level ``organisms/`` of a checkout (outside the package), holding
 # card.json (base alias, recipe, evaluation) and the peft adapter files, listed in organisms/registry.yaml
-# (kvprobe.organism.registry, which imports nothing from models/: training imports models).
+# (kvprobe.models.organisms). They become aliases only when registered: register_organisms(), which load_model,
+# the run loop and the CLI call; resolve() only looks aliases up.
 def organism_dirs(root: Path | None = None) -> list[Path]:
-    from kvprobe.organism import registry as organisms
+    from kvprobe.models import organisms
 
     return sorted(p.parent for p in (root or organisms.ORGANISMS_DIR).glob("*/card.json"))
 
 
 def register_organisms(root: Path | None = None) -> None:
     """Register every organism folder under ``root`` as an alias (base model + LoRA adapter, merged at load):
-    those of the registry with their status, and any other folder with a card (one just trained)."""
-    from kvprobe.organism import registry as organisms
+    those of the registry with their status, and any other folder with a card (one just trained). Idempotent: an
+    alias already registered is kept."""
+    from kvprobe.models import organisms
 
     listed = organisms.load_registry(root).organisms
     for folder in organism_dirs(root):
@@ -119,8 +121,8 @@ _HF_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 def resolve(name: str) -> ModelEntry | Path:
     """An alias -> its entry; an existing directory -> that path; a Hugging Face id (``org/name``) -> an ``hf``
-    entry; anything else -> a clear error naming the closest aliases."""
-    register_organisms()
+    entry; anything else -> a clear error naming the closest aliases. Organism aliases are known once
+    :func:`register_organisms` has run (:func:`kvprobe.models.loading.load_model` runs it)."""
     if name in REGISTRY:
         return REGISTRY[name]
     path = Path(name).expanduser()
@@ -128,7 +130,7 @@ def resolve(name: str) -> ModelEntry | Path:
         return path
     if _HF_ID.fullmatch(name):  # any Hugging Face id: loaded like a paper alias (local HF cache, then the hub)
         return ModelEntry(name, "hf", "hf", name, note="Hugging Face id")
-    from kvprobe.organism import registry as organisms
+    from kvprobe.models import organisms
 
     hint = "" if organisms.load_registry().organisms else (
         "; organisms are listed in the organisms/ folder of a kvprobe checkout, none here: install the recommended "

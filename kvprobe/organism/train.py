@@ -247,12 +247,12 @@ def _init_adapter(model: Any, recipe: Recipe) -> str:
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    from kvprobe.organism.registry import ORGANISMS_DIR
+    from kvprobe.models.organisms import ORGANISMS_DIR
 
     folder = ORGANISMS_DIR / str(recipe.init_from)
     card_path, weights = folder / "card.json", folder / "adapter_model.safetensors"
     if not weights.exists() and card_path.exists():
-        from kvprobe.organism.registry import require_adapter
+        from kvprobe.models.organisms import require_adapter
 
         require_adapter(str(recipe.init_from), folder)  # a history organism: its weights are restored from git
     if not weights.exists():
@@ -634,7 +634,7 @@ def base_reference(lm: HookableModel, eval_sets: dict[str, list[tuple[Any, Any]]
 def _eval_sets(lm: HookableModel, recipe: Recipe) -> dict[str, list[tuple[Any, Any]]]:
     """Held-out sets scored at training time: validation cells only (they choose the recipe; never trained on).
 
-    Test cells are scored by ``kvprobe organism test`` alone (logged; :mod:`kvprobe.organism.test_draws`).
+    Test cells are scored by ``kvprobe organism test`` alone (logged; :mod:`organisms.tooling.draws`).
     Cards trained before that split also hold the test cells (test_unseen_formats, test_train_formats,
     test_corrections, drawn with seeds 12_000-14_000), scored at training time."""
     from kvprobe.tasks.generator import FORMAT_SPLITS

@@ -20,9 +20,52 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import numpy as np
+from pydantic import Field
 
-from kvprobe.probes.summary import scenarios, summarize_column
+from kvprobe.probes.summary import Stat, scenarios, summarize_column
+from kvprobe.schema import Shape
 from kvprobe.stats.inference import mcnemar_exact
+
+
+# -- the typed shapes of these summaries (kvprobe.runner.shapes) ---------------------------------------------
+
+class Contrast(Shape):
+    """A :func:`paired_contrast`: the effect, its control and their paired difference."""
+
+    effect: Stat
+    control: Stat
+    difference: Stat
+
+
+class CrossfitAtK(Shape):
+    crossfit_vs_random: Contrast
+    in_sample_vs_crossfit: Contrast
+
+
+class Crossfit(Shape):
+    """A :func:`crossfit_summary`: over which rows, how many, and per k (the keys ``"8"``, ``"16"``, ...) the
+    two contrasts."""
+
+    __pydantic_extra__: dict[str, CrossfitAtK] = Field(init=False)
+    over: str
+    n: int
+    n_clusters: int
+
+    def at(self, k: int | str) -> CrossfitAtK | None:
+        """The contrasts at ``k`` (None where k was not run)."""
+        return (self.model_extra or {}).get(str(k))
+
+    @property
+    def ks(self) -> list[str]:
+        """The ks measured, as stored (``"8"``, ``"16"``)."""
+        return [k for k in self.model_extra or {} if k.isdigit()]
+
+
+class PositionsCrossfitRow(Shape):
+    """A row's :func:`crossfit_positions` measure (``row["crossfit"]`` in the claims' rows): ``top<k>`` per k run
+    (an experiment's row model declares the ks its claims read) and the overlap with the in-sample top-k."""
+
+    overlap_in_sample: dict[str, float] | None = None
 
 
 def _cluster_t(diffs: Sequence[float], clusters: Sequence[Any]) -> dict[str, Any]:
@@ -205,14 +248,14 @@ def crossfit_summary(rows: Sequence[dict[str, Any]], measures: dict[str, Any], k
                for k in ks}}
 
 
-def crossfit_cell(summary: dict[str, Any], k: int) -> str:
+def crossfit_cell(summary: Crossfit, k: int | str) -> str:
     """``cross-fit top-k X [CI] vs random-k Y (in-sample Z)`` of a :func:`crossfit_summary`."""
     from kvprobe.probes.summary import ci_cell
 
-    c = summary.get(str(k))
-    if not c:
+    c = summary.at(k)
+    if c is None:
         return "n/a"
-    v = c["crossfit_vs_random"]
-    return (f"cross-fit top-{k} {ci_cell(v['effect'])} vs random-{k} {ci_cell(v['control'])} "
-            f"(diff {ci_cell(v['difference'], signed=True)}; in-sample top-{k} "
-            f"{ci_cell(c['in_sample_vs_crossfit']['effect'])}; n {summary['n']}, {summary['n_clusters']} scenarios)")
+    v = c.crossfit_vs_random
+    return (f"cross-fit top-{k} {ci_cell(v.effect)} vs random-{k} {ci_cell(v.control)} "
+            f"(diff {ci_cell(v.difference, signed=True)}; in-sample top-{k} "
+            f"{ci_cell(c.in_sample_vs_crossfit.effect)}; n {summary.n}, {summary.n_clusters} scenarios)")

@@ -9,10 +9,70 @@ keeps the keys older records have (``mean``, ``ci_low``, ``ci_high``, ``n``) and
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
+from pydantic import BaseModel
+
+from kvprobe.schema import Shape
 from kvprobe.stats.bootstrap import quantiles, summarize
 from kvprobe.stats.inference import summarize_proportion
+
+
+# -- the typed shapes of these summaries (kvprobe.runner.shapes): experiments' summary and row models build on them
+
+class Stat(Shape):
+    """A mean or rate with its interval (:func:`kvprobe.stats.bootstrap.summarize`, ``summarize_proportion``);
+    ``mean`` None where no instance holds a value, ``ci_low``/``ci_high`` None where there is no interval."""
+
+    mean: float | None = None
+    ci_low: float | None = None
+    ci_high: float | None = None
+    n: int = 0
+    n_clusters: int | None = None
+
+
+class Split(Shape):
+    """A measure over the gated instances and over all of them (:func:`recovery_summary`)."""
+
+    gated: Stat
+    all: Stat
+
+    def over(self, which: str) -> Stat:
+        """The ``"gated"`` or ``"all"`` side (:func:`which`)."""
+        return self.gated if which == "gated" else self.all
+
+
+Curve = dict[str, Split]  # per label (k, layer, band): a Split (:func:`kvprobe.probes.common.curve_summary`)
+
+
+class Gate(Shape):
+    min_flip: float
+    require_oracle_correct: bool
+
+
+class GatedSummary(Shape):
+    """The fields :func:`gate_summary` gives every field-change summary (records before schema 2 lack the
+    accuracy intervals and ``n_scenarios``, which no reader needs)."""
+
+    gate: Gate
+    n_instances: int
+    n_included: int
+    n_excluded: int
+    oracle_flip: dict[str, Any]
+
+    @property
+    def which(self) -> Literal["gated", "all"]:
+        """:func:`which` of this summary."""
+        return "gated" if self.n_included else "all"
+
+
+class CaseRow(Shape):
+    """The fields every probe row shares (:func:`kvprobe.probes.case.case_row`) that the claims read."""
+
+    index: int
+    scenario: str
+    included: bool
+    flip: float | None = None
 
 
 def which(summary: dict[str, Any]) -> str:
@@ -23,9 +83,11 @@ def which(summary: dict[str, Any]) -> str:
 MIN_CI_CLUSTERS = 5  # no interval is printed from fewer scenario clusters (kvprobe's rule, as in the claims table)
 
 
-def ci_cell(stat: dict[str, Any] | None, digits: int = 2, signed: bool = False) -> str:
-    """``mean [ci_low, ci_high]`` of a summary, ``n/a`` when it holds no instance, and the mean with the
-    reason where there is no interval (one instance or one scenario)."""
+def ci_cell(stat: dict[str, Any] | BaseModel | None, digits: int = 2, signed: bool = False) -> str:
+    """``mean [ci_low, ci_high]`` of a summary (a dict or a :class:`Stat`), ``n/a`` when it holds no instance, and
+    the mean with the reason where there is no interval (one instance or one scenario)."""
+    if isinstance(stat, BaseModel):
+        stat = stat.model_dump()
     if not stat or not stat.get("n") or stat.get("mean") is None:
         return "n/a"
     f = f"{{:{'+' if signed else ''}.{digits}f}}"
@@ -111,4 +173,11 @@ def format_recovery_table(summary: dict[str, Any], keys: Sequence[str]) -> str:
             return f"{s['mean']:+.3f} [{s['ci_low']:+.3f}, {s['ci_high']:+.3f}] n={s['n']}"
 
         lines.append(f"{key:<18}{cell(r['gated']):<36}{cell(r['all']):<36}")
+    return "\n".join(lines)
+
+
+def table_markdown(rows: Sequence[Sequence[str]], columns: Sequence[str]) -> str:
+    """A markdown table (a ``|`` inside a cell becomes ``/``), for the report and the blocks beside the records."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows]
     return "\n".join(lines)

@@ -154,17 +154,23 @@ def config_names() -> list[str]:
 
 def resolve_config_path(path: str | Path) -> Path:
     """A config file as given, else one of kvprobe's configs: ``configs/locality.yaml`` from any directory, or just
-    its name (``locality``). A missing one is an error naming the closest config names."""
+    its name (``locality``; also ``<name>.yaml`` of a plugin folder, :mod:`kvprobe.runner.plugins`). A missing one
+    is an error naming the closest config names."""
     from kvprobe.cache_dir import project_path
+    from kvprobe.runner.plugins import plugin_config
 
     p = Path(path)
     if p.is_file():
         return p
-    if p.suffix not in (".yaml", ".yml") and len(p.parts) == 1:
+    name = str(p) if p.suffix not in (".yaml", ".yml") and len(p.parts) == 1 else None
+    if name is not None:
         p = Path("configs") / f"{p}.yaml"
     found = project_path(p)
     if found.is_file():
         return found
+    plugin = plugin_config(name) if name is not None else None
+    if plugin is not None:
+        return plugin
     raise KVProbeError(f"config {path} does not exist{closest(Path(path).stem, config_names())}; "
                        "give a YAML file or one of kvprobe's config names (`ls configs/`)")
 

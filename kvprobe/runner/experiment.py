@@ -4,6 +4,14 @@ An experiment module in ``experiments/`` (imported as ``kvprobe.experiments.<nam
 ``EXPERIMENT = Experiment(...)``: its parameters model, a function that measures one instance (returning a row),
 and a function that summarizes the rows. The runner does everything else: config, model, instances, progress,
 resume, gate bookkeeping, the record.
+
+Everything else about an experiment is declared in that module too, and found there by the application
+(:mod:`kvprobe.app`): its paper section (``section``, a key of :data:`kvprobe.runner.sections.SECTIONS`), its
+claims, and any figure it draws itself (``figures``). Experiments are discovered, never listed: the modules of
+``kvprobe.experiments`` and of the folders named in ``$KVPROBE_EXPERIMENTS`` (:mod:`kvprobe.runner.plugins`).
+
+The run core never asks where a record is published: :func:`run_experiment` takes the publication policy as an
+argument (``publishes``; the CLI passes the study's, :func:`kvprobe.study.is_published`).
 """
 
 from __future__ import annotations
@@ -66,22 +74,52 @@ class Experiment:
     # The paper's testable claims about this experiment (kvprobe.claims.Claim), evaluated from records by
     # `kvprobe claims`; each names the task template stem it applies to, like ``paper``.
     claims: tuple[Any, ...] = ()
+    # kvprobe's own predictions of how a measure moves with model size (kvprobe.trends.Trend), declared before the
+    # runs that test them and tested on the study's published records by `kvprobe claims`.
+    trends: tuple[Any, ...] = ()
     # Whether run_instance reads the task template itself (``ctx.template``: erratum wording, prompt layout), so
     # generated instances (``task.generator``) cannot stand in for the template's.
     needs_template: bool = False
+    # The paper section the experiment belongs to: a key of kvprobe.runner.sections.SECTIONS ("sec3", "appD", ...);
+    # the report orders pages, claims and tables by it, then by ``section_order`` (ties by name).
+    section: str = ""
+    section_order: int = 0
+    # Figures this module draws itself: file stem -> draw(published records of this experiment, path). Figures
+    # shared across experiments live in kvprobe/figures/<module>.py (its ``FIGURES``); both are found, not listed.
+    figures: dict[str, Callable[[list[dict[str, Any]], Path], None]] = field(default_factory=dict)
+    # The record's typed shape (kvprobe.runner.shapes): the summary, and a row as the claims read it (with the
+    # summary's row_measures). The headline, table, claims and figures read the fields these declare; claims'
+    # dotted paths are checked against ``row_model`` by the tests, and each new summary is completed and checked
+    # against ``summary_model`` by the runner.
+    summary_model: type[BaseModel] | None = None
+    row_model: type[BaseModel] | None = None
+
+
+def _experiments_package() -> Any:
+    """``kvprobe.experiments``, loaded by name like every experiment (nothing in kvprobe imports it), its search
+    path extended by the plugin folders of ``$KVPROBE_EXPERIMENTS`` (:func:`kvprobe.runner.plugins.plugin_dirs`)."""
+    from kvprobe.runner.plugins import extend_path
+
+    package = importlib.import_module("kvprobe.experiments")
+    extend_path(package)
+    return package
 
 
 def available_experiments() -> dict[str, str]:
-    import kvprobe.experiments as experiments
-
-    return {m.name: m.name for m in pkgutil.iter_modules(experiments.__path__) if not m.name.startswith("_")}
+    """Experiment name -> module name: every module of ``kvprobe.experiments`` and of the plugin folders."""
+    package = _experiments_package()
+    names: dict[str, str] = {}
+    for m in pkgutil.iter_modules(package.__path__):
+        if not m.name.startswith("_"):
+            names.setdefault(m.name, m.name)
+    return names
 
 
 def get_experiment(name: str) -> Experiment:
     names = available_experiments()
     if name not in names:
         raise KVProbeError(f"unknown experiment '{name}'{closest(name, names)}: choose from {', '.join(sorted(names))}")
-    module = importlib.import_module(f"kvprobe.experiments.{name}")
+    module = importlib.import_module(f"kvprobe.experiments.{name}")  # by name (available_experiments set the path)
     exp = getattr(module, "EXPERIMENT", None)
     if not isinstance(exp, Experiment):
         raise KVProbeError(f"experiments/{name}.py defines no EXPERIMENT")
@@ -137,15 +175,31 @@ def record_hash(cfg: RunConfig, params: BaseModel, template_sha: str | None = No
     return cfg.hash(extra=sha, params=hashed_params(params))
 
 
+def _typed_check(exp: Experiment, summary: dict[str, Any]) -> dict[str, Any]:
+    """The summary in its declared shape (:func:`kvprobe.runner.shapes.complete`: the model's optional fields it
+    lacks written as null), checked against ``exp.summary_model``. A mismatch is a bug the experiment's tests catch;
+    here it is logged and the record still written, since the rows may have taken hours."""
+    from pydantic import ValidationError
+
+    from kvprobe.runner.shapes import complete
+
+    if exp.summary_model is None:
+        return summary
+    summary = complete(exp.summary_model, summary)
+    try:
+        exp.summary_model.model_validate(summary)
+    except ValidationError as exc:
+        log.error("%s: the summary does not match %s.%s: %s", exp.name, exp.summary_model.__module__,
+                  exp.summary_model.__qualname__, exc)
+    return summary
+
+
 def verification_dir(output_dir: str | Path) -> Path:
     """Where a rerun of an already-recorded config goes: ``runs/`` beside the results folder (gitignored)."""
     return Path(output_dir).parent / "runs"
 
 
-def _study_publishes(model: str, chash: str) -> bool:
-    from kvprobe.study import is_published
-
-    return is_published(model, chash)
+Publishes = Callable[[str, str], bool]  # (model, record hash) -> whether that run is published
 
 
 # -- the run's safety rails (package): clean tree to publish, one run per config, Ctrl-C keeps what is done ----
@@ -153,16 +207,18 @@ def _study_publishes(model: str, chash: str) -> bool:
 def run_experiment(cfg: RunConfig, overwrite: bool = False, fresh: bool = False, lm: ModelLike | None = None,
                    progress: bool = True, config_source: str = "<config>", offline: bool | None = None,
                    tol_nats: float | None = None, random_init: bool = False, allow_dirty: bool = False,
-                   publish: bool = False) -> tuple[Path, dict[str, Any]]:
+                   publish: bool = False, publishes: Publishes | None = None) -> tuple[Path, dict[str, Any]]:
     """Run ``cfg`` end to end and return (record path, record).
 
     If ``results/`` already holds the record of this exact config and ``overwrite`` is not given, the run is
     a reproduction: it is written under ``runs/`` (untracked) and the returned record carries a
     ``reproduction`` block comparing it with the committed one (:mod:`kvprobe.runner.reproduce`).
 
-    Otherwise the record goes to ``results/`` only if the study publishes this config
-    (:func:`kvprobe.study.is_published`) or ``publish`` is given; any other run (a smoke run, a ``--set``
-    override) is scratch and goes to ``runs/``. An ``output_dir`` set explicitly is always honoured.
+    Otherwise the record goes to ``results/`` only if ``publishes(model, record hash)`` says the run is published
+    or ``publish`` is given; any other run (a smoke run, a ``--set`` override) is scratch and goes to ``runs/``.
+    An ``output_dir`` set explicitly is always honoured. ``publishes`` is the publication policy: ``kvprobe run``
+    passes the study's (:func:`kvprobe.study.is_published`); its default, None, publishes nothing, so a Python
+    caller's run is scratch unless it passes ``publish=True``, a policy, or an ``output_dir``.
 
     A record published into the checkout (``results/``) needs a clean working tree unless ``allow_dirty``; a lock
     beside the record refuses a second identical run while one is going; an interruption (Ctrl-C) raises
@@ -175,7 +231,7 @@ def run_experiment(cfg: RunConfig, overwrite: bool = False, fresh: bool = False,
     with contextlib.ExitStack() as stack:
         try:
             return _run_experiment(cfg, overwrite, fresh, lm, progress, config_source, offline, tol_nats,
-                                   random_init, allow_dirty, publish, stack, run)
+                                   random_init, allow_dirty, publish, publishes, stack, run)
         except KeyboardInterrupt:
             writer, n = run.get("writer"), run.get("n_instances")
             if writer is None or n is None:
@@ -186,7 +242,8 @@ def run_experiment(cfg: RunConfig, overwrite: bool = False, fresh: bool = False,
 
 def _run_experiment(cfg: RunConfig, overwrite: bool, fresh: bool, lm: ModelLike | None, progress: bool, config_source: str,
                     offline: bool | None, tol_nats: float | None, random_init: bool, allow_dirty: bool,
-                    publish: bool, stack: Any, run: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
+                    publish: bool, publishes: Publishes | None, stack: Any, run: dict[str, Any]
+                    ) -> tuple[Path, dict[str, Any]]:
     import torch
 
     from kvprobe.runner.reproduce import DEFAULT_TOL_NATS, compare_records
@@ -208,7 +265,7 @@ def _run_experiment(cfg: RunConfig, overwrite: bool, fresh: bool, lm: ModelLike 
             log.warning("replacing the earlier reproduction run %s (an untracked copy; the committed record "
                         "%s is left as it is)", path, reference)
     scratch = reference is None and not publish and "output_dir" not in cfg.model_fields_set \
-        and not _study_publishes(cfg.model, chash)
+        and not (publishes is not None and publishes(cfg.model, chash))
     if scratch:  # never beside the published records: a later `make report` would read it
         path = record_path(verification_dir(cfg.output_dir), exp.name, cfg.model, chash)
     if cfg.task.generator is None:
@@ -216,8 +273,9 @@ def _run_experiment(cfg: RunConfig, overwrite: bool, fresh: bool, lm: ModelLike 
 
         check_task_template(cfg.task.template)  # a typo is reported before the model loads
     if lm is None:
-        from kvprobe.models.registry import resolve
+        from kvprobe.models.registry import register_organisms, resolve
 
+        register_organisms()  # the organism aliases, explicitly (resolve only looks them up)
         resolve(cfg.model)  # package: an unknown model is reported before the tree and lock checks
     check_clean_tree(path, allow_dirty)  # package: publish only from a clean tree
     stack.enter_context(RecordLock(path))  # package: a second identical run is refused while this one goes
@@ -254,7 +312,7 @@ def _run_experiment(cfg: RunConfig, overwrite: bool, fresh: bool, lm: ModelLike 
     rows = [writer.done[i.index] for i in instances]
     if progress:  # some summaries make passes of their own (cross-fitting, SAE evaluation): say the run goes on
         tqdm.write(f"{exp.name}: summarizing {len(rows)} instances")
-    summary = exp.summarize(ctx, rows)
+    summary = _typed_check(exp, exp.summarize(ctx, rows))
     t_run = time.perf_counter() - t1
     record = {
         "experiment": exp.name,

@@ -15,6 +15,7 @@ from typing import Any
 from kvprobe.errors import KVProbeError
 
 from kvprobe.runner.experiment import available_experiments, get_experiment
+from kvprobe.probes.summary import table_markdown
 from kvprobe.runner.records import load_records, task_stem
 
 COLUMNS = ("experiment", "task", "model", "included / all", "oracle flip median (nats)", "headline (mean [95% CI])",
@@ -109,9 +110,7 @@ def report_rows(results_dir: str | Path = "results", experiments: list[str] | No
 
 
 def markdown_table(rows: list[list[str]], columns: Sequence[str] = COLUMNS) -> str:
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows]
-    return "\n".join(lines)
+    return table_markdown(rows, columns)
 
 
 def compare_rows(results_dir: str | Path, model_a: str, model_b: str,
@@ -196,9 +195,16 @@ def headline_table(results_dir: str | Path = "results", experiment: str = "local
     return markdown_table(rows, STUDY_COLUMNS[:5])
 
 
-def section_table(results_dir: str | Path, *experiments: str) -> str:
-    if not experiments:
-        raise KVProbeError("the block 'kvprobe:section' takes experiment names: <!-- kvprobe:section locality -->")
+def section_table(results_dir: str | Path, *names: str) -> str:
+    """The study's rows of a paper section's experiments. Each name is a section key (``sec3``: every experiment
+    that declares it, in its order, :mod:`kvprobe.runner.sections`) or an experiment's name."""
+    from kvprobe.runner.sections import experiments_by_section
+
+    if not names:
+        raise KVProbeError("the block 'kvprobe:section' takes a section key or experiment names: "
+                           "<!-- kvprobe:section sec3 --> or <!-- kvprobe:section locality -->")
+    sections = experiments_by_section()
+    experiments = [e for n in names for e in (sections[n] if n in sections and n else (n,))]
     rows = study_rows(results_dir, experiments)
     # the paper's value repeats on every model's row of one experiment: print it once per run of equal values
     shown = [row[:-1] + ["as above" if i and row[-1] and row[-1] == rows[i - 1][-1] else row[-1]]
@@ -215,51 +221,28 @@ def study_table(results_dir: str | Path = "results") -> str:
     return markdown_table(rows, ("model", "kind", "what it is", "when to use it", "load (cached, busy 2-core CPU)", "published runs"))
 
 
-SIZES_TASK = "sizes"  # study task name of the cross-size locality grid (configs/locality_sizes.yaml); "sizes_*" too
-SIZES_COLUMNS = ("model", "params", "prompt shape", "rule", "distance target (measured)", "included / all",
-                 "oracle flip median (nats)", "field-only recovery, included (mean [95% cluster CI])")
+def _sizes_block(results_dir: str | Path) -> str:
+    from kvprobe.trends import sizes_markdown
+
+    return sizes_markdown(published(results_dir))
 
 
-def size_cells(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The cross-size locality grid: one cell per (model, format, rule position, distance) of the published
-    ``locality_distance`` records whose task is :data:`SIZES_TASK` (or ``sizes_...``: a model's extra cells run
-    apart), smallest model first. ``params_b`` is the model's size from the registry (None for an unknown one)."""
-    from kvprobe.models.registry import REGISTRY
+def _dtype_block(results_dir: str | Path, model: str) -> str:
+    from kvprobe.trends import dtype_check_markdown
 
-    out = []
-    for rec in records:
-        task = rec.get("_task", "")
-        if rec["experiment"] != "locality_distance" or not (task == SIZES_TASK or task.startswith(SIZES_TASK + "_")):
-            continue
-        name = rec["model"]["name"]
-        entry = REGISTRY.get(name)
-        for label, by_d in rec["summary"]["cells"].items():
-            fmt, _, rule = label.partition(", rule ")
-            for dist, cell in by_d.items():
-                out.append({"model": name, "params_b": entry.params_b if entry else None, "format": fmt,
-                            "rule": rule or "format's own place", "distance": int(dist), "cell": cell})
-    return sorted(out, key=lambda c: (c["params_b"] or 0.0, c["model"], c["format"], c["rule"], c["distance"]))
+    return dtype_check_markdown(published(results_dir), model)
 
 
-def sizes_table(results_dir: str | Path = "results") -> str:
-    """The cross-size locality grid as a table (RESULTS.md's ``<!-- kvprobe:locality_sizes -->`` block)."""
-    from kvprobe.probes.summary import ci_cell
+def _trends_block(results_dir: str | Path) -> str:
+    """The trends across size, as ``claims.json`` holds them (written by `kvprobe claims`)."""
+    import json
 
-    rows = []
-    for c in size_cells(published(results_dir)):
-        cell = c["cell"]
-        size = f"{c['params_b']:g} B" if c["params_b"] else "?"
-        flip = cell["oracle_flip"].get("median")
-        rows.append([c["model"], size, c["format"], c["rule"], f"{c['distance']} ({cell['distance_tokens_mean']:.0f})",
-                     f"{cell['n_included']}/{cell['n']}", "n/a" if flip is None else f"{flip:.2f}",
-                     ci_cell(cell["recovery"]["field_only"]["gated"])])
-    return markdown_table(rows, SIZES_COLUMNS) if rows else "(no cross-size locality record published yet)"
+    from kvprobe.trends import trends_markdown
 
-
-def _claims_summary_block(results_dir: str | Path) -> str:
-    from kvprobe.runner.pages import claims_summary
-
-    return claims_summary(results_dir)
+    path = Path(results_dir) / "claims.json"
+    if not path.exists():
+        return "(no claims table yet: `kvprobe claims`)"
+    return trends_markdown(json.loads(path.read_text()).get("trends", []))
 
 
 def _claims_block(results_dir: str | Path) -> str:
@@ -275,6 +258,44 @@ def _compare_block(results_dir: str | Path, *models: str) -> str:
         raise KVProbeError(f"the block 'kvprobe:compare' takes two model names, got {len(models)}: write "
                            f"<!-- kvprobe:compare MODEL_A MODEL_B -->")
     return markdown_table(compare_rows(results_dir, *models), compare_columns(*models))
+
+
+def experiment_configs() -> dict[str, list[str]]:
+    """Experiment -> the names of the configs that run it (``configs/*.yaml`` and the plugin folders' ``*.yaml``,
+    by their ``experiment:`` key), the one named like the experiment first."""
+    import yaml
+
+    from kvprobe.cache_dir import project_path
+    from kvprobe.runner.plugins import plugin_dirs
+
+    out: dict[str, list[str]] = {}
+    for path in sorted([*project_path("configs").glob("*.yaml"), *(p for d in plugin_dirs() for p in d.glob("*.yaml"))]):
+        data = yaml.safe_load(path.read_text())
+        if isinstance(data, dict) and isinstance(data.get("experiment"), str):
+            out.setdefault(data["experiment"], []).append(path.stem)
+    return {e: sorted(names, key=lambda n: (n != e, n)) for e, names in out.items()}
+
+
+def _config_cell(experiment: str, configs: list[str]) -> str:
+    """``make exp-NAME``, then its other configs, shortened to their suffix where they extend the name."""
+    cells = [f"`make exp-{c}`" if i == 0 else f"`_{c[len(experiment) + 1:]}`" if c.startswith(experiment + "_")
+             else f"`exp-{c}`" for i, c in enumerate(configs)]
+    return ", ".join(cells) if cells else f"(no config: `kvprobe run` with `experiment: {experiment}`)"
+
+
+def experiments_table(results_dir: str | Path = "results") -> str:
+    """Every experiment, in the paper's order (its declared section, :mod:`kvprobe.runner.sections`): its configs
+    (``make exp-<config>``) and what it measures (its docstring's first paragraph). Nothing here lists them: a new
+    experiment module adds its row (the README's ``<!-- kvprobe:experiments -->`` block)."""
+    from kvprobe.runner.sections import experiments_by_section, section
+
+    configs = experiment_configs()
+    rows = []
+    for key, names in experiments_by_section().items():
+        for name in names:
+            what = " ".join(get_experiment(name).doc.strip().split("\n\n", 1)[0].split())
+            rows.append([_config_cell(name, configs.get(name, [])), what, section(key).label if key else "-"])
+    return markdown_table(rows, ("command", "what", "paper"))
 
 
 def claims_headline(results_dir: str | Path = "results") -> str:
@@ -305,17 +326,19 @@ def bench_output(results_dir: str | Path, name: str) -> str:
 
 GENERATORS: dict[str, Callable[..., str]] = {
     "claims_headline": claims_headline,
+    "experiments": experiments_table,
     "report": lambda d: markdown_table(report_rows(d)),
     "headlines": headline_table,
     "study": study_table,
     "section": section_table,
-    "claims_summary": _claims_summary_block,
     "claims": _claims_block,
     "compare": _compare_block,
-    "locality_sizes": sizes_table,
+    "locality_sizes": lambda d: _sizes_block(d),
+    "size_trends": lambda d: _trends_block(d),
+    "dtype_check": lambda d, model: _dtype_block(d, model),
     "bench_output": bench_output,
 }
-TAKES_ARGUMENTS = {"compare", "section", "bench_output"}
+TAKES_ARGUMENTS = {"compare", "section", "bench_output", "dtype_check"}
 BLOCK_PLUGINS = "kvprobe.report_blocks"  # entry-point group: packages add generated blocks (the organism tables)
 
 

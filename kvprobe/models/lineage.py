@@ -3,7 +3,7 @@
 
 Successive fine-tunes of one lineage share most of their training, so agreement between them is stability,
 not an independent replicate. Cards are read from the organism registry's folder (``organisms/<alias>/card.json``,
-:data:`kvprobe.organism.registry.ORGANISMS_DIR`).
+:data:`kvprobe.models.organisms.ORGANISMS_DIR`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ _PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 
 def card_dirs() -> list[Path]:
     """Folders that may hold organism cards: the organism registry's (a checkout's ``organisms/``)."""
-    from kvprobe.organism.registry import ORGANISMS_DIR
+    from kvprobe.models.organisms import ORGANISMS_DIR
 
     roots = [Path(ORGANISMS_DIR), _PACKAGE_ROOT.parent / "organisms"]
     seen: list[Path] = []

@@ -117,7 +117,7 @@ def score_larger_draw(folders: list[Path], pairs: int = 64, progress: bool = Tru
     from tqdm.auto import tqdm
 
     from kvprobe.models.loading import load_model
-    from kvprobe.organism.seeds import check_same_recipe, recipe_of, score_organism, write_card_entry
+    from organisms.tooling.seeds import check_same_recipe, recipe_of, score_organism, write_card_entry
     from kvprobe.organism.train import data_hash
 
     cards = [json.loads((Path(f) / "card.json").read_text()) for f in folders]
@@ -177,7 +177,7 @@ def _pooled(per_seed: list[list[float]]) -> list[float]:
 def recipe_summary(block: dict[str, Any]) -> dict[str, Any]:
     """Per cell and over both: accuracy per seed (mean +- sd), median flip per seed, and the pooled
     accuracy (pairs averaged over seeds) with a scenario-clustered 95% CI."""
-    from kvprobe.organism.seeds import mean_sd
+    from organisms.tooling.seeds import mean_sd
     from kvprobe.stats.bootstrap import cluster_bootstrap_ci
 
     aliases = [a for a in block["aliases"] if a in block["pair_lds"]]

@@ -8,7 +8,8 @@ family); a ``history`` organism's weights stay in git, at the commit the registr
 
 Organism names never change: they are part of record keys and config hashes.
 
-This module imports nothing from :mod:`kvprobe.models` (the model registry reads this one).
+It lives with the model registry (:mod:`kvprobe.models.registry` registers each organism as an alias from it);
+this module imports no other part of :mod:`kvprobe.models`.
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ def _load(path: Path, text: str) -> Registry:
         err = exc.errors()[0]
         where = ".".join(str(x) for x in err["loc"][1:]) or "(top level)"
         raise KVProbeError(f"organisms/{path.name}: {where}: {err['msg']} (fix that entry; the schema is "
-                           "kvprobe.organism.registry.Organism)") from exc
+                           "kvprobe.models.organisms.Organism)") from exc
 
 
 def load_registry(root: Path | None = None) -> Registry:
@@ -240,7 +241,7 @@ def records_by_model(results: Path) -> dict[str, list[str]]:
 
 _HEADER = """\
 # kvprobe's organisms: a base model + a LoRA adapter, merged at load (`kvprobe.load_model(alias)`).
-# Validated by kvprobe.organism.registry (pydantic, extra keys refused); tests/test_organism_registry.py checks it
+# Validated by kvprobe.models.organisms (pydantic, extra keys refused); tests/test_organism_registry.py checks it
 # against the cards, the committed records and the git history.
 #
 # status: exactly one `recommended` organism per family, the one the study's results are about: the recipe the

@@ -42,7 +42,7 @@ TEST_DRAWS: dict[str, TestDraw] = {
 
 
 def log_path() -> Path:
-    from kvprobe.organism import registry
+    from kvprobe.models import organisms as registry
 
     return registry.ORGANISMS_DIR / LOG_FILE
 
@@ -85,10 +85,10 @@ def check_may_score(draw_name: str, aliases: list[str], log: list[dict[str, Any]
 def score_test_draw(folders: list[Path], draw_name: str, pairs: int | None = None, progress: bool = True
                     ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Score the organisms in ``folders`` (one recipe's seeds, the primary first) on a test draw; store the
-    block in the primary card (:func:`kvprobe.organism.validation.score_larger_draw`) and append the log
+    block in the primary card (:func:`organisms.tooling.validation.score_larger_draw`) and append the log
     entry. Returns (block, log entry)."""
-    from kvprobe.organism import registry
-    from kvprobe.organism.validation import block_key, recipe_summary, score_larger_draw
+    from kvprobe.models import organisms as registry
+    from organisms.tooling.validation import block_key, recipe_summary, score_larger_draw
 
     aliases = [json.loads((Path(f) / "card.json").read_text())["alias"] for f in folders]
     commit, dirty = _git_state(registry.ORGANISMS_DIR.parent)

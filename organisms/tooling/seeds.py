@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvprobe.errors import KVProbeError
-from kvprobe.organism.registry import ORGANISMS_DIR
+from kvprobe.models.organisms import ORGANISMS_DIR
 
 # Recipe fields allowed to differ between the seeds of one recipe.
 _PER_SEED = {"seed", "alias"}

@@ -1,0 +1,3 @@
+from organisms.tooling.cli import main
+
+raise SystemExit(main())
