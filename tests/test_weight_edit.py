@@ -54,7 +54,7 @@ def test_rome_and_lora_raise_the_target_on_a_tiny_model(lm):
 
 
 def test_weight_edit_experiment_end_to_end(tiny_text_dir, tmp_path):
-    from kvprobe.runner.cli import main
+    from kvprobe.app.cli import main
 
     args = ["run", "configs/weight_edit.yaml", "--model", str(tiny_text_dir), "--output-dir", str(tmp_path),
             "--set", "task.n_instances=2", "--set", "params.format=null", "--set", "params.n_heldout=2",
@@ -117,7 +117,7 @@ V2_N = 5
 @pytest.fixture(scope="module")
 def v2(tiny_formats_dir, tmp_path_factory):
     """One run of configs/weight_edit_v2.yaml on the tiny model (its own kvprobe cache): its record."""
-    from kvprobe.runner.cli import main
+    from kvprobe.app.cli import main
 
     out = tmp_path_factory.mktemp("wev2")
     with pytest.MonkeyPatch.context() as mp:
@@ -288,7 +288,7 @@ def test_keying_rome_on_the_wrong_token_changes_its_contamination(v2, tiny_forma
     (their LD moves, hence the graded contamination) must move with it, so the measure reads the key."""
     import importlib
 
-    from kvprobe.runner.cli import main
+    from kvprobe.app.cli import main
 
     we = importlib.import_module("kvprobe.experiments.weight_edit")  # the module the runner loads
     real = we.rome_subject
