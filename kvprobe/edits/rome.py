@@ -5,7 +5,8 @@ activation, the input of ``down_proj``) to a value ``v`` written into the residu
 recall a new object, ROME
 
 1. estimates the uncentered key covariance ``C = E[k k^T]`` at that input over a text sample
-   (:func:`key_covariance`, a one-time pass per model and layer);
+   (:func:`key_covariance`, a one-time pass per model and layer; :func:`cached_key_covariance` keeps it in the
+   kvprobe cache);
 2. takes the subject's key ``k*``: the ``down_proj`` input at the subject's last token, averaged over the
    request prompts;
 3. finds ``v*`` by optimisation: a vector ``delta`` added to the ``down_proj`` output at the subject's last token
@@ -23,9 +24,12 @@ than the key dimension (the ridge is recorded with the edit).
 
 from __future__ import annotations
 
+import hashlib
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -114,6 +118,38 @@ def key_covariance(lm: HookableModel, layer: int, token_ids: Sequence[Sequence[i
     if count == 0:
         raise KVProbeError("key_covariance got no tokens")
     return KeyCovariance(layer, total / count, count, time.perf_counter() - t0)
+
+
+def covariance_cache_path(lm: HookableModel, layer: int, token_ids: Sequence[Sequence[int]]) -> Path | None:
+    """``<kvprobe cache>/rome_cov/<model>-L<layer>-<key>.pt``, the key a hash of the model's fingerprint, the
+    layer and the token ids; None for a model without a fingerprint (nothing is cached then)."""
+    from kvprobe.cache_dir import cache_root
+
+    fingerprint = getattr(lm, "fingerprint", None)
+    if not fingerprint:
+        return None
+    h = hashlib.sha256(f"rome-cov:{fingerprint}:{layer}".encode())
+    for ids in token_ids:
+        h.update((",".join(map(str, ids)) + ";").encode())
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", Path(str(getattr(lm, "name", "model"))).name)
+    return cache_root() / "rome_cov" / f"{name}-L{layer}-{h.hexdigest()[:16]}.pt"
+
+
+def cached_key_covariance(lm: HookableModel, layer: int, token_ids: Sequence[Sequence[int]]
+                          ) -> tuple[KeyCovariance, bool]:
+    """:func:`key_covariance`, read from the kvprobe cache when this model, layer and sample were computed before
+    (``seconds`` is then the original pass's time), else computed and cached; and whether it was cached."""
+    path = covariance_cache_path(lm, layer, token_ids)
+    if path is not None and path.exists():
+        d = torch.load(path, map_location="cpu")
+        return KeyCovariance(layer, d["matrix"], int(d["n_tokens"]), float(d["seconds"])), True
+    cov = key_covariance(lm, layer, token_ids)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save({"matrix": cov.matrix, "n_tokens": cov.n_tokens, "seconds": cov.seconds}, tmp)
+        tmp.replace(path)
+    return cov, False
 
 
 @torch.no_grad()
