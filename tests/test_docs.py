@@ -173,8 +173,8 @@ def test_prose_references_resolve_from_published_records_outputs_and_the_registr
     full = "locality/smollm2-135m-gated-v3n2-seed2/561ca5f6e26d#summary.recovery.field_only.gated|ci"
     assert resolve_value(full, res) == resolve_value("561ca5f6e26d#summary.recovery.field_only.gated|ci", res)
     assert resolve_value("a61d761be158#summary|kn", res) == "13 / 24"
-    assert resolve_value("19ed699cb228#summary.cells.user_turn, rule after field.150.recovery.field_only.gated|ci",
-                         res) == "0.07 (4 clusters: no interval)"  # no interval from fewer than 5 clusters
+    assert resolve_value("794c5fff4526#summary.cells.document_qa, rule before field.150.recovery.field_only.gated|ci",
+                         res) == "0.60 (4 clusters: no interval)"  # no interval from fewer than 5 clusters
     assert resolve_value("gate/smollm2-135m#rows.1.key_rel_layer0|e", res) == "1e-7"
     assert resolve_value("bench/ttft_smollm2-135m#rows.0.chunk_tokens|int", res) == "1000"
     assert resolve_value("paper:locality.field_only_zero", res) == "-0.028"
@@ -187,3 +187,18 @@ def test_prose_references_resolve_from_published_records_outputs_and_the_registr
         resolve_value("0123456789ab#summary.n_instances", res)
     with pytest.raises(KVProbeError, match="no committed output"):
         bench_output(res, "nope.txt")
+
+
+def test_prose_references_read_a_claims_row_by_its_key(tmp_path):
+    import json
+
+    from kvprobe.app.report import resolve_value
+
+    with pytest.raises(KVProbeError, match="run `kvprobe claims` first"):
+        resolve_value("claims#trends.up.slope_per_decade|+.2f", tmp_path)
+    (tmp_path / "claims.json").write_text(json.dumps({"trends": [{"key": "down", "slope_per_decade": -0.5},
+                                                                 {"key": "up", "slope_per_decade": 0.25}]}))
+    assert resolve_value("claims#trends.up.slope_per_decade|+.2f", tmp_path) == "+0.25"
+    assert resolve_value("claims#trends.1.slope_per_decade|.1f", tmp_path) == "0.2"
+    with pytest.raises(KVProbeError, match="no 'sideways'"):
+        resolve_value("claims#trends.sideways.slope_per_decade", tmp_path)

@@ -364,7 +364,8 @@ def _load_block_plugins() -> None:
 #   [0.00, 0.02]<!-- /kvprobe:v -->
 # SOURCE is a published record (experiment/model/hash under results/, or its 12-character hash alone) and a dotted
 # path into it; ``bench/<name>`` or ``gate/<name>`` with a path (a committed benchmark or RoPE-gate output,
-# results/bench/<name>.json, results/gate/<name>.json); or ``paper:<registry id>``. FORMAT is ``ci`` / ``ci3`` /
+# results/bench/<name>.json, results/gate/<name>.json); ``claims`` with a path into results/claims.json (a list's
+# row by its ``key``: ``claims#trends.gate_rises_rule_first.slope_per_decade``); or ``paper:<registry id>``. FORMAT is ``ci`` / ``ci3`` /
 # ``+ci`` (mean [95% CI], no interval below 5 clusters), ``kn`` ("k / n" of a summary with k and n, or with
 # n_included and n_instances), ``int``, ``pct``, ``abs``-prefixed, ``e`` (one significant digit, scientific:
 # 2e-07), or a Python format spec (``.2f``, the default; ``+.2f``). ``make report`` rewrites the text between the
@@ -380,6 +381,8 @@ def _lookup(obj: Any, path: str, spec: str) -> Any:
     for part in path.split("."):
         if isinstance(cur, list) and part.lstrip("-").isdigit():
             cur = cur[int(part)]
+        elif isinstance(cur, list) and any(isinstance(x, dict) and x.get("key") == part for x in cur):
+            cur = next(x for x in cur if isinstance(x, dict) and x.get("key") == part)  # a row by its key
         elif isinstance(cur, dict) and part in cur:
             cur = cur[part]
         else:
@@ -432,6 +435,11 @@ def resolve_value(spec: str, results_dir: str | Path) -> str:
     record_name, _, path = source.partition("#")
     import json
 
+    if record_name == "claims":  # the claims file `kvprobe claims` writes (its trends: kvprobe's own predictions)
+        file = Path(results_dir) / "claims.json"
+        if not file.exists():
+            raise KVProbeError(f"prose reference '{spec}': no {file} (run `kvprobe claims` first)")
+        return format_value(_lookup(json.loads(file.read_text()), path, spec), fmt, spec)
     if record_name.split("/")[0] in OUTPUT_FOLDERS and record_name.count("/") == 1:
         file = Path(results_dir) / f"{record_name}.json"  # a committed benchmark or gate output, not a study record
         if not file.exists():
