@@ -271,7 +271,7 @@ def table(s: dict[str, Any]) -> str:
     acc = s["full_accuracy"]
     if acc.get("ci_low") is None or acc["ci_low"] <= 0.5:
         out += (f"; full-recompute accuracy {acc['mean']:.2f} is not above chance, so accuracies are uninformative "
-                "here; agreement with full recompute needs no competent model")
+                "here, and so is agreement with full recompute (a cache that keeps the model's bias agrees too)")
     for b, x in sorted(s.get("baselines", {}).items()):
         out += (f"\n  {b} placement (in-place field, prefix cache): accuracy {ci_cell(x['accuracy'])}, last turn's "
                 f"agreement with its full recompute {ci_cell(x['agreement_last_turn'])}, with the unified decision "

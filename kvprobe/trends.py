@@ -140,7 +140,8 @@ def evaluate_trend(trend: Trend, records: Sequence[dict[str, Any]]) -> dict[str,
     n_clusters = len({u["cluster"] for u in kept})
     reason = None
     if len(kept_models) < 2:
-        reason = f"fewer than two sizes with >= {MIN_PER_SIZE} units ({per_model or 'none'})"
+        have = ", ".join(f"{m} {k}" for m, k in per_model.items()) or "none"
+        reason = f"fewer than two sizes with >= {MIN_PER_SIZE} units ({have})"
     elif len(kept) < MIN_N or n_clusters < MIN_CLUSTERS:
         reason = f"{len(kept)} units in {n_clusters} clusters (needs >= {MIN_N} and >= {MIN_CLUSTERS})"
     if reason:
@@ -241,20 +242,26 @@ TREND_COLUMNS = ("trend (kvprobe's pre-registered prediction)", "measure", "unit
                  "parameters [95% CI]", "p (two-sided)", "verdict")
 
 
-def trends_markdown(rows: Sequence[dict[str, Any]]) -> str:
-    """The trend rows of ``claims.json`` as a table (RESULTS.md's ``<!-- kvprobe:size_trends -->`` block)."""
+def trends_markdown(rows: Sequence[dict[str, Any]], short: bool = False) -> str:
+    """The trend rows of ``claims.json`` as a table (the ``<!-- kvprobe:size_trends -->`` block; ``short``: the
+    trend's name, slope and verdict only, for RESULTS.md, the full table on the locality_sizes page)."""
     from kvprobe.probes.summary import table_markdown as markdown_table
 
     out = []
     for r in rows:
         slope = r.get("slope_per_decade")
         cell = "-" if slope is None else f"{slope:+.2f} [{r['ci_low']:+.2f}, {r['ci_high']:+.2f}]"
+        if short:
+            out.append([f"`{r['key']}`", cell, r["verdict"]])
+            continue
         p = r.get("p_two_sided")
         measure = {"gate": "gate rate (all instances)", "field_only": "field-only recovery (gated)"}[r["measure"]]
         units = ", ".join(f"{m} {n}" for m, n in r.get("units_per_model", {}).items()) or "none"
         out.append([f"`{r['key']}`: {r['text']}", measure, units, cell, "-" if p is None else f"{p:.2g}",
                     r["verdict"]])
-    return markdown_table(out, TREND_COLUMNS) if out else "(no trend declared)"
+    if not out:
+        return "(no trend declared)"
+    return markdown_table(out, (TREND_COLUMNS[0], TREND_COLUMNS[3], TREND_COLUMNS[5]) if short else TREND_COLUMNS)
 
 
 def dtype_check_markdown(records: Sequence[dict[str, Any]], model: str, run_task: str = SIZES_TASK,

@@ -83,7 +83,18 @@ def claims_summary(results_dir: str | Path = "results") -> str:
             continue
         rows = [[f"{exp}: {claim}", papers[(exp, claim)], *(_cell(cells[role][(exp, claim)].get(m)) for m in models)]
                 for exp, claim in keys]
-        out.append(f"**{title}** ({len(rows)} claims)\n\n" + markdown_table(rows, ("claim", "paper", *models)))
+        # a claim with no verdict on any model is named, not tabulated: a row of blanks says nothing per model
+        tested = [r for r in rows if any(c and not c.startswith("not measurable") for c in r[2:])]
+        untested: dict[str, list[str]] = {}
+        for exp, claim in (k for k, r in zip(keys, rows) if r not in tested):
+            untested.setdefault(exp, []).append(claim)
+        text = f"**{title}** ({len(rows)} claims)\n\n" + markdown_table(tested, ("claim", "paper", *models))
+        if untested:
+            n = sum(len(v) for v in untested.values())
+            text += (f"\n\nNo verdict on any study model yet ({n}: too few gated instances or clusters, below the "
+                     "competence gate, or no published record; each experiment's page says which): "
+                     + "; ".join(f"*{exp}*: " + ", ".join(claims) for exp, claims in untested.items()) + ".")
+        out.append(text)
     if not roles_given:
         out.append("(results/claims.json gives no `role` per claim yet: every claim is listed as an effect)")
     return "\n\n".join(out)

@@ -235,7 +235,7 @@ def _dtype_block(results_dir: str | Path, model: str) -> str:
     return dtype_check_markdown(published(results_dir), model)
 
 
-def _trends_block(results_dir: str | Path) -> str:
+def _trends_block(results_dir: str | Path, *form: str) -> str:
     """The trends across size, as ``claims.json`` holds them (written by `kvprobe claims`)."""
     import json
 
@@ -244,7 +244,9 @@ def _trends_block(results_dir: str | Path) -> str:
     path = Path(results_dir) / "claims.json"
     if not path.exists():
         return "(no claims table yet: `kvprobe claims`)"
-    return trends_markdown(json.loads(path.read_text()).get("trends", []))
+    if form not in ((), ("short",)):
+        raise KVProbeError(f"the block 'kvprobe:size_trends' takes nothing or 'short', got {' '.join(form)}")
+    return trends_markdown(json.loads(path.read_text()).get("trends", []), short=form == ("short",))
 
 
 def _claims_block(results_dir: str | Path) -> str:
@@ -336,11 +338,11 @@ GENERATORS: dict[str, Callable[..., str]] = {
     "claims": _claims_block,
     "compare": _compare_block,
     "locality_sizes": lambda d: _sizes_block(d),
-    "size_trends": lambda d: _trends_block(d),
+    "size_trends": _trends_block,
     "dtype_check": lambda d, model: _dtype_block(d, model),
     "bench_output": bench_output,
 }
-TAKES_ARGUMENTS = {"compare", "section", "bench_output", "dtype_check"}
+TAKES_ARGUMENTS = {"compare", "section", "bench_output", "dtype_check", "size_trends"}
 BLOCK_PLUGINS = "kvprobe.report_blocks"  # entry-point group: packages add generated blocks (the organism tables)
 
 
@@ -368,7 +370,7 @@ def _load_block_plugins() -> None:
 # row by its ``key``: ``claims#trends.gate_rises_rule_first.slope_per_decade``); or ``paper:<registry id>``. FORMAT is ``ci`` / ``ci3`` /
 # ``+ci`` (mean [95% CI], no interval below 5 clusters), ``kn`` ("k / n" of a summary with k and n, or with
 # n_included and n_instances), ``int``, ``pct``, ``abs``-prefixed, ``e`` (one significant digit, scientific:
-# 2e-07), or a Python format spec (``.2f``, the default; ``+.2f``). ``make report`` rewrites the text between the
+# 2e-07), ``s`` (a word, as the record holds it: a verdict), or a Python format spec (``.2f``, the default; ``+.2f``). ``make report`` rewrites the text between the
 # markers, so a test fails when prose and record differ.
 _VALUE = re.compile(r"<!-- kvprobe:v (?P<spec>[^>]+?) -->(?P<body>.*?)<!-- /kvprobe:v -->", re.S)
 
@@ -408,6 +410,8 @@ def format_value(value: Any, fmt: str, spec: str) -> str:
         if isinstance(value, dict) and "n_included" in value and "n_instances" in value:
             return f"{value['n_included']} / {value['n_instances']}"
         raise KVProbeError(f"prose reference '{spec}': format kn needs k and n (or n_included and n_instances)")
+    if fmt == "s":  # a word the record holds (a verdict), as it stands
+        return str(value)
     if isinstance(value, dict) and "mean" in value:
         value = value["mean"]
     if value is None:

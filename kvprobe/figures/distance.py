@@ -133,6 +133,18 @@ def _group_points(rec: dict[str, Any], where: Any, dist: int) -> dict[str, Any] 
             "field_only": summarize_column(gated, [r.get("field_only") for r in gated]) if gated else None}
 
 
+def _pooled_by_model(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per model, its size-grid records' rows together (a model's grid may run in parts: sizes_*)."""
+    out: dict[str, dict[str, Any]] = {}
+    for rec in records:
+        name = rec["model"]["name"]
+        if name in out:
+            out[name]["rows"] = out[name]["rows"] + rec["rows"]
+        else:
+            out[name] = {"model": rec["model"], "_params_b": rec["_params_b"], "rows": list(rec["rows"])}
+    return list(out.values())
+
+
 def _ci_ok(stat: dict[str, Any] | None) -> bool:
     return bool(stat and stat.get("ci_low") is not None and stat.get("ci_high") is not None
                 and (stat.get("n_clusters") or MIN_CI_CLUSTERS) >= MIN_CI_CLUSTERS)  # no interval from < 5 clusters
@@ -145,8 +157,8 @@ def fig_locality_sizes(records: list[dict[str, Any]], path: Path) -> None:
     reference points at their base model's size, the paper's Llama-3.1-8B value marked."""
     from kvprobe.trends import size_records
 
-    pretrained = size_records(records)
-    organisms = size_records(records, kinds=("organism",))
+    pretrained = _pooled_by_model(size_records(records))
+    organisms = _pooled_by_model(size_records(records, kinds=("organism",)))
     if not pretrained:
         return
     distances = sorted({r["distance_target"] for rec in pretrained for r in rec["rows"]})
@@ -193,7 +205,7 @@ def fig_locality_sizes(records: list[dict[str, Any]], path: Path) -> None:
         top.axhline(0, color="black", lw=0.6)
         top.axhline(1, color="black", lw=0.4, ls=":")
         measured = [r["distance_tokens"] for rec in pretrained for r in rec["rows"] if r.get("distance_target") == dist]
-        top.set_title(f"field ~{dist} tokens before the decision (measured {min(measured)}-{max(measured)})",
+        top.set_title(f"field ~{dist} tokens before the decision\n(measured {min(measured)}-{max(measured)})",
                       fontsize=7)
         bottom.set_ylim(-0.05, 1.05)
         bottom.set_xscale("log")
