@@ -63,6 +63,7 @@ def claims_summary(results_dir: str | Path = "results") -> str:
     main = {(exp, model): _record_key(rec["_path"]) for (exp, model), rec in main_records(published(results_dir)).items()}
     cells: dict[str, dict[tuple[str, str], dict[str, Any]]] = {"effect": {}, "control": {}}
     papers: dict[tuple[str, str], str] = {}
+    ids: dict[tuple[str, str], str] = {}  # the claim's declared key, for the short list of claims with no verdict
     roles_given = False
     for row in claims_file_rows(results_dir):
         if row.get("verdict", "").startswith("identity") or "identity" in (row.get("status"), row.get("kind")):
@@ -74,6 +75,7 @@ def claims_summary(results_dir: str | Path = "results") -> str:
         key = (row["experiment"], row["claim"])
         cells[role].setdefault(key, {})[row["model"]] = row
         papers.setdefault(key, _paper_short(row))
+        ids.setdefault(key, str(row.get("id", "")).rpartition(".")[2] or row["claim"])
     order = {e: i for i, e in enumerate(experiment_order())}
     out = []
     for role, title in (("effect", "Effects: the paper's claims"),
@@ -87,7 +89,7 @@ def claims_summary(results_dir: str | Path = "results") -> str:
         tested = [r for r in rows if any(c and not c.startswith("not measurable") for c in r[2:])]
         untested: dict[str, list[str]] = {}
         for exp, claim in (k for k, r in zip(keys, rows) if r not in tested):
-            untested.setdefault(exp, []).append(claim)
+            untested.setdefault(exp, []).append(f"`{ids[(exp, claim)]}`")
         text = f"**{title}** ({len(rows)} claims)\n\n" + markdown_table(tested, ("claim", "paper", *models))
         if untested:
             n = sum(len(v) for v in untested.values())
