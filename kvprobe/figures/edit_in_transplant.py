@@ -26,7 +26,10 @@ def fig7a_edit_in_transplant(records: list[dict[str, Any]], path: Path) -> None:
     if not per_model:
         return
     fig, axes = plt.subplots(1, 2, figsize=(6.5, 4.0))
-    cmap = plt.get_cmap("tab10")
+    methods: list[str] = []  # one colour per method across every model (records differ in their arms)
+    for rec in per_model.values():
+        methods += [n for n in rec["summary"]["methods"] if n not in methods]
+    cmap = plt.get_cmap("tab10" if len(methods) <= 10 else "tab20")
     markers = "osD^v<>"
     for ax, metric, label in ((axes[0], "recovery", "recovery"), (axes[1], "p_correct", "P(correct)")):
         ax.plot([-0.2, 1.2], [-0.2, 1.2], color="grey", lw=0.8, ls="--")
@@ -34,7 +37,8 @@ def fig7a_edit_in_transplant(records: list[dict[str, Any]], path: Path) -> None:
         for m, (model, rec) in enumerate(per_model.items()):
             if metric == "recovery" and not rec["summary"].get("n_included"):
                 continue  # a recovery over no gated instance divides noise: P(correct) and agreement only
-            for i, (name, b) in enumerate(rec["summary"]["methods"].items()):
+            for name, b in rec["summary"]["methods"].items():
+                i = methods.index(name)
                 x, y = _point(b["normal"][metric]), _point(b["composed"][metric])
                 if x is None or y is None:
                     continue
