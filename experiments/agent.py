@@ -47,8 +47,8 @@ from kvprobe.kv.edit import EditResult, append_edit
 from kvprobe.kv.readout import prefill
 from kvprobe.metrics import logit_cosine
 from kvprobe.probes.decision import read_actions
-from kvprobe.probes.graded import (FAR_OFFSET, arm_entry, arms_summary, control_entry, controls_headline,
-                                   controls_summary, far_check, field_effect_retained, graded_lines, pick)
+from kvprobe.probes.graded import (FAR_OFFSET, arm_entry, arms_summary, controls_headline, controls_summary, far_check,
+                                   graded_lines, pick, retained_across_turns)
 from kvprobe.probes.summary import ci_cell
 from kvprobe.schema import hash_neutral
 from kvprobe.runner.experiment import Context, Experiment
@@ -195,30 +195,13 @@ def run_instance(ctx: Context, inst: Any) -> dict[str, Any]:
             if t == len(turns) - 1 and t > 0:  # the most-reused cache checked against its full recompute (CPU)
                 row[b]["agree"] = b_cached == _read(lm, prefill(lm, ps[t][:-1]), ps[t][-1:], right, wrong)[0]
         rows.append(row)
-    _retained(rows, inst)
+    retained_across_turns(rows, inst.new_value, "full_ld", "unified", {"no_rotation_far": "unified_far"})
     policy_tokens = cuts[1] - cuts[0]
     unified_total = sum(r["unified_prefilled"] for r in rows)
     return {**inst.row(), "policy_tokens": policy_tokens, "turns": rows, "all_agree": all(r["agree"] for r in rows),
             "prefill_ratio": sum(r["reprefill_prefilled"] for r in rows) / unified_total,
             "baseline_prefill_ratio": {b: sum(r[b]["prefilled"] for r in rows) / unified_total for b in placed},
             "baseline_last_turn_agree": {b: rows[-1][b]["agree"] for b in placed if "agree" in rows[-1][b]}}
-
-
-def _retained(rows: list[dict[str, Any]], inst: Any) -> None:
-    """From turn 2 on: each arm's field effect retained (the change in LD(new action - old) from the previous turn,
-    under the arm's caches, over the same under full recompute), and the controls beside their treatments."""
-    def fixed(r: dict[str, Any], ld: float) -> float:  # right - wrong -> new action - old action
-        return ld if r["value"] == inst.new_value else -ld
-
-    for prev, r in zip(rows, rows[1:]):
-        full_new, full_old = fixed(r, r["full_ld"]), fixed(prev, prev["full_ld"])
-        for name, a in r["graded"].items():
-            ret = field_effect_retained(fixed(r, a["ld"]), fixed(prev, prev["graded"][name]["ld"]), full_new, full_old)
-            if ret is not None:
-                a["retained"] = ret
-        r["controls"] = {"frozen": control_entry("unified", r["graded"], "frozen")}
-        if "no_rotation_far" in r["graded"]:
-            r["controls"]["no_rotation_far"] = control_entry("unified_far", r["graded"], "no_rotation_far")
 
 
 def summarize_rows(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, Any]:

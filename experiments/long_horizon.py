@@ -38,8 +38,8 @@ from kvprobe.metrics import logit_cosine
 from kvprobe.probes.decision import read_actions
 from kvprobe.probes.edit_summary import base_row, edit_case, edit_gate_summary
 from kvprobe.probes.controls import paired_contrast
-from kvprobe.probes.graded import (arm_entry, arms_summary, control_entry, controls_headline, controls_summary,
-                                   field_effect_retained, graded_lines)
+from kvprobe.probes.graded import (arm_entry, arms_summary, controls_headline, controls_summary, graded_lines,
+                                   retained_across_turns)
 from kvprobe.probes.summary import ci_cell, summarize_column
 from kvprobe.claims import ACCURACY_MARGIN, RETAINED_MARGIN, Claim, near
 from kvprobe.runner.experiment import Context, Experiment
@@ -101,24 +101,9 @@ def run_instance(ctx: Context, inst: Any) -> dict[str, Any]:
                       "canonical_tokenization": canonical,
                       "graded": {"cache": arm_entry(ld[0], ld[1], agree=(ld[0] > 0) == (ld[1] > 0)),
                                  "frozen": arm_entry(frozen_ld, ld[1], agree=(frozen_ld > 0) == (ld[1] > 0))}})
-    _retained(turns, inst.new_value)
+    retained_across_turns(turns, inst.new_value, "reference_ld", "cache")
     return {**base_row(ctx, inst, c), "scheme": p.scheme, "prefix_tokens": len(head),
             "query_tokens": len(query), "turns": turns}
-
-
-def _retained(turns: list[dict[str, Any]], new_value: str) -> None:
-    """From turn 2 on: each arm's field effect retained (the turn-to-turn change of LD(new value's action - old),
-    under the arm's cache over the same under the reprefill), and the frozen cache beside the evolving one."""
-    def fixed(t: dict[str, Any], ld: float) -> float:
-        return ld if t["value"] == new_value else -ld
-
-    for prev, t in zip(turns, turns[1:]):
-        ref_new, ref_old = fixed(t, t["reference_ld"]), fixed(prev, prev["reference_ld"])
-        for name, a in t["graded"].items():
-            ret = field_effect_retained(fixed(t, a["ld"]), fixed(prev, prev["graded"][name]["ld"]), ref_new, ref_old)
-            if ret is not None:
-                a["retained"] = ret
-        t["controls"] = {"frozen": control_entry("cache", t["graded"], "frozen")}
 
 
 def _slope(y_by_instance: np.ndarray) -> float:

@@ -25,7 +25,7 @@ re-rotation fails.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from kvprobe.probes.controls import paired_contrast
@@ -198,3 +198,26 @@ def pick(names: Sequence[str], allowed: Sequence[str], key: str) -> list[str]:
     if any(v not in allowed for v in names) or len(set(names)) != len(names):
         raise ValueError(f"{key} must be a subset of {list(allowed)}, each once; got {list(names)}")
     return list(names)
+
+
+def retained_across_turns(turns: list[dict[str, Any]], new_value: str, reference: str, treatment: str,
+                          controls: Mapping[str, str] | None = None) -> None:
+    """A multi-turn trajectory's graded measures, written into its turns: from turn 2 on, each arm's field effect
+    retained (the turn-to-turn change of LD(new value's action - old) under the arm's cache, over the same under
+    full recompute, whose LD each turn holds under ``reference``), then the frozen cache beside ``treatment`` and
+    each further control beside its treatment (``controls``: control arm -> treatment arm, where present).
+    Each turn's LDs are right - wrong; a turn whose ``value`` is not ``new_value`` is turned to new - old."""
+    def oriented(t: dict[str, Any], ld: float) -> float:
+        return ld if t["value"] == new_value else -ld
+
+    for prev, t in zip(turns, turns[1:]):
+        ref_new, ref_old = oriented(t, t[reference]), oriented(prev, prev[reference])
+        for name, a in t["graded"].items():
+            ret = field_effect_retained(oriented(t, a["ld"]), oriented(prev, prev["graded"][name]["ld"]), ref_new,
+                                        ref_old)
+            if ret is not None:
+                a["retained"] = ret
+        t["controls"] = {"frozen": control_entry(treatment, t["graded"], "frozen")}
+        for control, treated in (controls or {}).items():
+            if control in t["graded"]:
+                t["controls"][control] = control_entry(treated, t["graded"], control)
