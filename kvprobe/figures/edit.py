@@ -182,9 +182,10 @@ def fig23_long_horizon(records: list[dict[str, Any]], path: Path) -> None:
         cos = [t["cosine"] for t in s["per_turn"]]
         low = min(low, *cos)
         slope = s["agreement_slope_per_turn"]["slope"]
-        a.plot(turns, [t["agreement"] for t in s["per_turn"]], "-o", ms=2.5, color=color,
+        style = "--o" if s["scheme"] == "erratum" else "-o"  # App. G's scheme apart from field+erratum
+        a.plot(turns, [t["agreement"] for t in s["per_turn"]], style, ms=2.5, color=color,
                label=f"{_tag(name, s)}, slope {slope:+.3f}/turn")
-        b.plot(turns, cos, "-o", ms=2.5, color=color, label=f"{short_model(name)}: cosine "
+        b.plot(turns, cos, style, ms=2.5, color=color, label=f"{short_model(name)}: cosine "
                                                             f"{s['cosine_first_third']:.3f} -> {s['cosine_last_third']:.3f}")
     a.set_ylim(-0.05, 1.05)
     a.set_xlabel("turn", fontsize=8)
