@@ -87,11 +87,13 @@ class Params(BaseModel):
     layouts: list[str] = Field(default_factory=lambda: ["contiguous", "split"],
                                description="relevant facts contiguous or split, crossed with the label (which "
                                            "alternates with i): instance i takes layouts[(i // layout_period) % n]")
-    # Resolved into the record hash on purpose (not hash-neutral): records written before it gave instance i
-    # layouts[i % 2], so every contiguous instance was 'allow' and every split one 'refuse'; the crossed design
-    # must not share their name.
-    layout_period: int = Field(2, ge=2, description="E4: instances per layout before the next one (even: each "
-                                                    "layout meets both labels equally often)")
+    # Records written before it gave instance i layouts[i % 2] (period 1), so every contiguous instance was 'allow'
+    # and every split one 'refuse'. The crossed default (2) enters the hash, so it never shares their names; those
+    # records state period 1 (migrated once) and keep theirs.
+    layout_period: int = hash_neutral(2, neutral=1, ge=1,
+                                      description="E4: instances per layout before the next one (even: each layout "
+                                                  "meets both labels equally often; 1: the first records' design, "
+                                                  "layout in step with the label, kept only to name those records)")
     edit: bool = Field(True, description="run E3 (toggle one stored fact)")
     modes: list[str] = Field(default_factory=lambda: ["direct", "chain"],
                              description="E1 and E3: decide directly and/or after a greedy chain")
@@ -117,7 +119,7 @@ class Params(BaseModel):
     @field_validator("layout_period")
     @classmethod
     def _layout_period(cls, v: int) -> int:
-        if v % 2:
+        if v % 2 and v != 1:
             raise ValueError(f"layout_period must be even (the label alternates with i), got {v}")
         return v
 

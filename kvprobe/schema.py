@@ -19,10 +19,19 @@ class Shape(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True)
 
 
-def hash_neutral(default: Any, **kwargs: Any) -> Any:
+_UNSET = object()
+
+
+def hash_neutral(default: Any, neutral: Any = _UNSET, **kwargs: Any) -> Any:
     """A param added after records were written, whose ``default`` reproduces those records' numbers: it enters the
-    record hash only when set to something else, so adding it renames no committed record."""
-    return Field(default, json_schema_extra={"hash_neutral_default": True}, **kwargs)
+    record hash only when set to something else, so adding it renames no committed record. Where the older records'
+    behaviour is not the new default (a design fault fixed), ``neutral`` is that older value: the param enters the
+    hash unless it holds ``neutral``, so the new default gets new names and the older records, which state the
+    ``neutral`` value in their params (migrated once), keep theirs."""
+    extra: dict[str, Any] = {"hash_neutral_default": True}
+    if neutral is not _UNSET:
+        extra["hash_neutral_value"] = neutral
+    return Field(default, json_schema_extra=extra, **kwargs)
 
 
 def hashed_params(params: BaseModel) -> dict[str, Any]:
@@ -32,7 +41,9 @@ def hashed_params(params: BaseModel) -> dict[str, Any]:
     for name, info in type(params).model_fields.items():
         value = getattr(params, name)
         extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
-        if extra.get("hash_neutral_default") and value == info.get_default(call_default_factory=True):
+        neutral = extra["hash_neutral_value"] if "hash_neutral_value" in extra else \
+            info.get_default(call_default_factory=True)
+        if extra.get("hash_neutral_default") and value == neutral:
             dumped.pop(name, None)
         elif isinstance(value, BaseModel):
             dumped[name] = hashed_params(value)

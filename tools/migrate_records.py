@@ -10,6 +10,10 @@ other value, and the formatting (the runner's own writer, :func:`kvprobe.runner.
 diff shows only the added keys). A record whose bytes that writer would not reproduce is left alone and named. Each
 completed summary is validated against the model. Running it again changes nothing.
 
+Second, for every experiment: a param declared ``hash_neutral(default, neutral=OLD)`` (a design fault fixed under a
+new default, :func:`kvprobe.schema.hash_neutral`) is written into the ``params_resolved`` of each record that predates
+it, with the value those records ran under (``OLD``), so the record states its design and keeps its name.
+
 ``--check`` writes nothing and exits 1 if any record would change (or fails its model).
 """
 
@@ -57,6 +61,24 @@ def migrate_experiment(exp: Experiment, results: Path, check: bool) -> tuple[lis
     return changed, problems
 
 
+def state_neutral_params(exp: Experiment, results: Path, check: bool) -> list[Path]:
+    """Records that lack a param with a declared neutral (older) value get it, explicitly (see the module doc)."""
+    neutral = {name: info.json_schema_extra["hash_neutral_value"] for name, info in exp.params.model_fields.items()
+               if isinstance(info.json_schema_extra, dict) and "hash_neutral_value" in info.json_schema_extra}
+    changed: list[Path] = []
+    for path in sorted((results / exp.name).glob("*/*.json")) if neutral else []:
+        text = path.read_text()
+        record = json.loads(text)
+        resolved = record.get("params_resolved")
+        missing = {k: v for k, v in neutral.items() if resolved is not None and k not in resolved}
+        if not missing or _as_written(record) != text:
+            continue
+        changed.append(path)
+        if not check:
+            atomic_write_json(path, {**record, "params_resolved": {**resolved, **missing}})
+    return changed
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--results", default="results", help="the records folder (default: results)")
@@ -73,6 +95,12 @@ def main(argv: list[str] | None = None) -> int:
         bad += problems
         n = len(list((Path(args.results) / exp.name).glob("*/*.json")))
         print(f"{exp.name}: {len(changed)} of {n} records {'to migrate' if args.check else 'migrated'}")
+    for exp in map(get_experiment, names):
+        stated = state_neutral_params(exp, Path(args.results), args.check)
+        total += len(stated)
+        if stated:
+            print(f"{exp.name}: {len(stated)} records {'to state' if args.check else 'state'} a fixed param's older "
+                  f"value")
     for p in bad:
         print(p, file=sys.stderr)
     return 1 if bad or (args.check and total) else 0
