@@ -36,7 +36,7 @@ def no_partial_output(paths: Sequence[Path]) -> Iterator[None]:
 
 def _write(args: argparse.Namespace) -> int:
     from kvprobe.claims import (claim_records, claims_document, claims_rows, headline, lineage_summary, markdown,
-                                summary_counts, write_document)
+                                read_claims, summary_counts, write_document)
     from kvprobe.trends import with_trends
     from kvprobe.errors import KVProbeError
 
@@ -63,7 +63,8 @@ def _write(args: argparse.Namespace) -> int:
 
         figure = Path(args.figure)
         figure.parent.mkdir(parents=True, exist_ok=True)
-        claims_figure.fig_claims(records, figure, rows)
+        # drawn from the rows as written (rounded in claims.json), so `kvprobe figures` draws the same bytes
+        claims_figure.fig_claims(records, figure, read_claims(path))
         print(f"figure: {figure}")
     return 0
 
