@@ -84,8 +84,10 @@ def size_records(records: Sequence[dict[str, Any]], task: str = SIZES_TASK, kind
     of ``kinds`` (study.yaml), smallest model first, each with ``_params_b`` set: the registry's size (the model card's), else the parameters the
     record counted (an organism: its base plus the adapter)."""
     from kvprobe.models.registry import REGISTRY
-    from kvprobe.study import load_study
+    from kvprobe.study import load_study, study_present
 
+    if not study_present():  # an installed kvprobe or a scratch folder: no study, so no model kinds and no curve
+        return []
     study = load_study().models
     out = []
     for rec in records:
