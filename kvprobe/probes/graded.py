@@ -87,16 +87,21 @@ def _rows(items: Iterable[tuple[Any, dict[str, Any]]]) -> tuple[list[dict[str, A
     return [{"scenario": s} for s, _ in pairs], [e for _, e in pairs]
 
 
+def _per_name(items: Iterable[tuple[Any, dict[str, dict[str, Any]]]]
+              ) -> Iterable[tuple[str, list[tuple[dict[str, Any], dict[str, Any]]]]]:
+    """Each arm or control name, in first-seen order, with the (row, entry) pairs of the instances that have it."""
+    rows, entries = _rows(items)
+    for name in dict.fromkeys(n for e in entries for n in e):
+        yield name, [(r, e[name]) for r, e in zip(rows, entries) if name in e]
+
+
 def arms_summary(items: Iterable[tuple[Any, dict[str, dict[str, Any]]]], seed: int = 0,
                  measure: str = "ld") -> dict[str, Any]:
     """Per arm over ``(scenario, {arm: arm_entry})`` pairs: the ``measure``, its error and ``retained`` (mean with
     a cluster-bootstrap CI by scenario; ``retained`` over the instances where it is defined), agreement and, where
     the arms carry one, the logit cosine."""
-    rows, entries = _rows(items)
-    names = list(dict.fromkeys(n for e in entries for n in e))
     out: dict[str, Any] = {}
-    for name in names:
-        have = [(r, e[name]) for r, e in zip(rows, entries) if name in e]
+    for name, have in _per_name(items):
         sub = [r for r, _ in have]
         block = {k: summarize_column(sub, [a.get(k) for _, a in have], seed) for k in (measure, f"{measure}_error")}
         if any(a.get("retained") is not None for _, a in have):
@@ -127,11 +132,8 @@ def controls_summary(items: Iterable[tuple[Any, dict[str, dict[str, Any]]]], see
     with both sides and a paired ``separation`` (cluster-bootstrap CI by scenario): ``error`` (control minus
     treatment: > 0, the control is further from full recompute), ``retained`` (treatment minus control, where
     measured) and ``agreement`` with full recompute's decision (treatment minus control; McNemar)."""
-    rows, entries = _rows(items)
-    names = list(dict.fromkeys(n for e in entries for n in e))
     out: dict[str, Any] = {}
-    for name in names:
-        have = [(r, e[name]) for r, e in zip(rows, entries) if name in e]
+    for name, have in _per_name(items):
         sub = [r for r, _ in have]
         cs = [c for _, c in have]
         block: dict[str, Any] = {"treatment": cs[0]["treatment"], "measure": cs[0]["measure"], "n": len(cs),
